@@ -1,0 +1,5 @@
+import sys
+
+from dflash_trainer.cli import main
+
+sys.exit(main())

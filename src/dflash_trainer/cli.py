@@ -1,0 +1,104 @@
+"""`dflash-trainer` command line: parse, build the Config, hand it to one command; nothing else.
+
+Every command accepts `--preset NAME`, `--config FILE.toml` and `--section.field=VALUE` overrides.
+Commands are imported lazily so `--help` and `config show` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.config import ConfigError, help_text, list_presets, load_config, to_toml
+
+# name -> (module:function, one-line help). The function takes (cfg, args) and returns an exit code.
+COMMANDS = {
+    "train": ("dflash_trainer.pipeline.runtime:train_command",
+              "train a drafter online (target in the loop)"),
+    "demo": ("dflash_trainer.demo:demo_command",
+             "end to end on the embedded default: setup, regenerate, train, evaluate, export"),
+    "generate": ("dflash_trainer.data.generate:generate_command",
+                 "regenerate assistant responses with the target (resumable JSONL)"),
+    "eval": ("dflash_trainer.eval.specdecode:eval_command",
+             "speculative decoding with a drafter: acceptance length and speedup"),
+    "report": ("dflash_trainer.observe.report:report_command",
+               "plots (PNG + HTML) of a run's metrics.jsonl"),
+    "bench": ("dflash_trainer.bench_harness:bench_command",
+              "run every benchmark under bench/ and write one table"),
+}
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None,
+                   help=f"named preset ({', '.join(list_presets()) or 'none installed'})")
+    p.add_argument("--config", dest="config_file", default=None, help="TOML file of overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Config fields (override any with --section.field=VALUE):\n" + help_text())
+    parser = argparse.ArgumentParser(
+        prog="dflash-trainer", description="Train DFlash drafters for Hugging Face targets.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    cfg_p = sub.add_parser("config", help="show the resolved config",
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+    cfg_p.add_argument("action", choices=["show"], help="show: print the resolved config as TOML")
+    _add_common(cfg_p)
+
+    for name, (_, help_line) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_line, description=help_line,
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+        _add_common(p)
+        if name == "report":
+            p.add_argument("report_run_dir", metavar="RUN_DIR", help="a run directory")
+        if name == "eval":
+            p.add_argument("--drafter", dest="drafter_path", default=None,
+                           help="exported drafter dir (default: RUN_DIR/export)")
+            p.add_argument("--output", default=None, help="JSON result file")
+        if name == "generate":
+            p.add_argument("--prompts", default="embedded",
+                           help="prompt source: 'embedded' (MT-Bench + HumanEval) or a "
+                                "conversation file whose assistant turns are regenerated")
+            p.add_argument("--output", default=None, help="output JSONL (appended, resumable)")
+            p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per response")
+            p.add_argument("--batch-size", type=int, default=16, help="prompts per batch")
+            p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+            p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+            p.add_argument("--limit", type=int, default=0, help="only the first N prompts (0=all)")
+        if name == "train":
+            p.add_argument("--nproc", type=int, default=0,
+                           help="launch this many processes with torchrun (0 = this process)")
+        if name == "bench":
+            p.add_argument("--quick", action="store_true", help="fewer repeats")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        cfg = load_config(args.preset, args.config_file, rest)
+        if args.command == "config":
+            sys.stdout.write(to_toml(cfg))
+            return 0
+        target, _ = COMMANDS[args.command]
+        mod_name, fn_name = target.split(":")
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+        return int(fn(cfg, args) or 0)
+    except ConfigError as e:
+        print(f"dflash-trainer: config error: {e}", file=sys.stderr)
+        return 2
+    except UserError as e:
+        print(f"dflash-trainer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""What travels on the pipeline's queues.
+
+    prefetcher --WorkItem--> work_q --> target worker --HiddenBatch--> hs_q --> drafter worker
+
+Control messages share the queues with data: `EpochEnd` (the prefetcher has queued a whole
+epoch), `End` (a producer finished normally; a stage that ends without one has failed) and
+`StageFailure` (an exception, carried as a value to the supervisor).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    """A right-padded batch of tokenized conversations (CPU, pinned when CUDA is in use)."""
+
+    input_ids: torch.Tensor        # [B, S] long
+    loss_mask: torch.Tensor        # [B, S] bool: assistant tokens
+    attention_mask: torch.Tensor   # [B, S] long: 1 = real token
+    sample_ids: torch.Tensor       # [B] long: index into the dataset (sample ledger)
+    num_real_tokens: int           # sum(attention_mask), computed on CPU before any H2D
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def pin_memory(self) -> "Batch":
+        return Batch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(),
+                     self.attention_mask.pin_memory(), self.sample_ids, self.num_real_tokens)
+
+
+@dataclass
+class WorkItem:
+    seq_no: int      # position in the epoch's batch stream (for exact resume)
+    epoch: int
+    batch_id: int    # global, monotonically increasing across epochs
+    batch: Batch
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+
+
+@dataclass
+class HiddenBatch:
+    """Target output handed to the drafter device.
+
+    `ready_event` is recorded on the producer's stream after the last write to `features`; the
+    consumer's stream waits on it before reading. The producer holds nothing afterwards: this
+    object owns the memory until the drafter step that consumes it has been enqueued, and the
+    producer called `record_stream` for the consumer stream, so the allocator cannot reuse it early.
+    On CPU `ready_event` is None and the same code path runs.
+    """
+
+    seq_no: int
+    epoch: int
+    batch_id: int
+    input_ids: torch.Tensor        # [B, S] on the drafter device
+    loss_mask: torch.Tensor        # [B, S] bool on the drafter device
+    features: torch.Tensor         # [B, S, n*H] on the drafter device
+    sample_ids: torch.Tensor       # [B] CPU
+    num_real_tokens: int
+    ready_event: object | None = None
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+
+
+@dataclass
+class EpochEnd:
+    epoch: int
+    num_batches: int
+
+
+@dataclass
+class End:
+    producer: str
+
+
+@dataclass
+class StageFailure:
+    stage: str
+    exc: BaseException
+    tb: str
+
+    @classmethod
+    def capture(cls, stage: str, exc: BaseException) -> "StageFailure":
+        return cls(stage, exc, "".join(traceback.format_exception(exc)))
