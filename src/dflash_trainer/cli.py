@@ -16,7 +16,7 @@ from dflash_trainer.config import ConfigError, help_text, list_presets, load_con
 
 # name -> (module:function, one-line help). The function takes (cfg, args) and returns an exit code.
 COMMANDS = {
-    "train": ("dflash_trainer.pipeline.runtime:train_command",
+    "train": ("dflash_trainer.trainer:train_command",
               "train a drafter online (target in the loop)"),
     "demo": ("dflash_trainer.demo:demo_command",
              "end to end on the embedded default: setup, regenerate, train, evaluate, export"),

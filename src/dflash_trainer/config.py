@@ -146,6 +146,8 @@ class PipelineConfig:
     stall_timeout_s: float = _f(0.0, "abort when a stage makes no progress this long (0 = off)",
                                 unit="s", min=0.0)
     seed: int = _f(0, "seed of anchors, init and everything random")
+    precision: str = _f("auto", "drafter compute: auto = bf16 autocast on CUDA, fp32 on CPU",
+                        choices=("auto", "fp32", "bf16"))
     fault: str = _f("", "test hook: 'STAGE:STEP[:hang]' raises (or hangs) in STAGE at STEP")
 
 

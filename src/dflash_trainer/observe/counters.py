@@ -21,6 +21,7 @@ class WorkerCounters:
     items: int = 0            # sequences finished
     tokens: int = 0           # real (unpadded) tokens finished
     padded_tokens: int = 0    # rows x padded length finished
+    query_tokens: int = 0     # drafter: block query tokens trained (rows x anchors x block_size)
     errors: int = 0
     skipped_steps: int = 0    # non-finite steps skipped (drafter)
     busy_ns: int = 0          # host time spent in the step body
@@ -28,6 +29,7 @@ class WorkerCounters:
     wait_out_ns: int = 0      # host time blocked on the output queue
     last_progress: float = field(default_factory=time.monotonic)  # heartbeat (monotonic s)
     phase_ns: dict[str, int] = field(default_factory=dict)  # per-phase host time (h2d, forward, ...)
+    gauges: dict[str, float] = field(default_factory=dict)  # host-side values (lr, epoch)
 
     def beat(self) -> None:
         self.last_progress = time.monotonic()

@@ -1,0 +1,166 @@
+"""Atomic, resumable checkpoints.
+
+Layout under `{run_dir}/checkpoints/`:
+
+    step-000120/            one complete checkpoint (never modified after the rename)
+        drafter.safetensors     trainable drafter weights
+        optimizer.pt            optimizer + scheduler + RNG state (tensors only: weights_only load)
+        state.json              step, data position, sample-ledger delta, resolved config
+        export/                 the drafter in the published DFlash format
+    latest                  text file naming the newest complete checkpoint (atomic replace)
+
+A checkpoint is written to `step-N.tmp-<pid>/`, fsynced, then renamed: a crash (SIGKILL, full disk)
+mid-write leaves the previous checkpoint and `latest` intact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Host-side training position: everything besides tensors needed to resume exactly."""
+
+    step: int = 0                 # optimizer steps done
+    micro_step: int = 0           # micro-batches consumed
+    epoch: int = 0                # epoch of the next batch to train
+    consumed: list | None = None  # seq_nos of `epoch` already trained (any order)
+    tokens: int = 0
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "micro_step": self.micro_step, "epoch": self.epoch,
+                "consumed": sorted(self.consumed or []), "tokens": self.tokens}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrainState":
+        return cls(step=d["step"], micro_step=d["micro_step"], epoch=d["epoch"],
+                   consumed=list(d["consumed"]), tokens=d.get("tokens", 0))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def ckpt_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(run_dir, *, drafter, optimizer, scheduler, generator: torch.Generator,
+                    state: TrainState, config: dict, keep_last: int, export_fn=None) -> Path:
+    root = ckpt_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state.step:07d}"
+    final = root / name
+    tmp = root / f"{name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+        save_file(weights, str(tmp / "drafter.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "generator": generator.get_state(), "torch_rng": torch.get_rng_state()},
+                   tmp / "optimizer.pt")
+        _write_json(tmp / "state.json", {"train_state": state.to_json(), "config": config,
+                                          "format": 1})
+        if export_fn is not None:
+            export_fn(tmp / "export")
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():          # re-saving the same step (e.g. signal right after a save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / f"latest.tmp-{os.getpid()}"
+        latest_tmp.write_text(name + "\n")
+        os.replace(latest_tmp, root / "latest")
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"could not write checkpoint {final}: {e}. The previous checkpoint is "
+                        "intact; free disk space and resume with --checkpoint.resume=true.") from e
+    _prune(root, keep_last)
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and ".tmp" not in p.name)
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("*.tmp-*"):
+        if stale.is_dir() and not str(stale).endswith(f".tmp-{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir) -> Path | None:
+    root = ckpt_root(run_dir)
+    ptr = root / "latest"
+    if ptr.is_file():
+        p = root / ptr.read_text().strip()
+        if (p / "state.json").is_file():
+            return p
+    # `latest` missing or pointing at a pruned dir: fall back to the newest complete one.
+    done = sorted(p for p in root.glob("step-*") if (p / "state.json").is_file()
+                  and ".tmp" not in p.name)
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, *, drafter, optimizer, scheduler, generator: torch.Generator,
+                    config: dict) -> TrainState:
+    try:
+        meta = json.loads((path / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint {path} is unreadable ({e}); delete it or point "
+                        "checkpoints/latest at an older one.") from e
+    saved = meta.get("config", {})
+    for section in ("drafter", "target"):
+        a, b = saved.get(section, {}), config.get(section, {})
+        diff = [k for k in set(a) | set(b)
+                if a.get(k) != b.get(k) and k not in {"attention", "cache_dir", "dtype"}]
+        if diff:
+            raise UserError(
+                f"checkpoint {path} was written with another {section} config "
+                f"(differs in {', '.join(f'{section}.{k}' for k in sorted(diff))}: saved "
+                f"{[a.get(k) for k in sorted(diff)]} vs now {[b.get(k) for k in sorted(diff)]}). "
+                "Use the same settings, or a new run_dir.")
+    try:
+        weights = load_file(str(path / "drafter.safetensors"))
+    except Exception as e:  # safetensors raises its own error types for truncated/tampered files
+        raise UserError(f"checkpoint weights {path / 'drafter.safetensors'} are corrupt ({e}); "
+                        "resume from an older checkpoint.") from e
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise UserError(f"checkpoint {path} does not match the drafter: missing {missing[:5]}, "
+                        f"unexpected {unexpected[:5]}.")
+    blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    generator.set_state(blob["generator"])
+    torch.set_rng_state(blob["torch_rng"])
+    return TrainState.from_json(meta["train_state"])

@@ -1,0 +1,305 @@
+"""Chat templates -> token ids + assistant-only loss masks; the tokenized, cached dataset.
+
+How the mask is found (any Jinja chat template, no per-model patterns): render the whole
+conversation once as text. For every assistant message i, render
+
+    P_i = template(messages[:i],   add_generation_prompt=True)   # ends right after the header
+    Q_i = template(messages[:i+1], add_generation_prompt=False)  # ends after the turn
+
+The supervised characters are Q_i[len(P_i):], cut right after the last special token in it (the
+end-of-turn token, e.g. `<|im_end|>` / `<|eot_id|>`; what follows it, like ChatML's "\\n", is not
+something the model generates). This only works if the template is prefix-stable: P_i must be a
+prefix of Q_i, and Q_i a prefix of the full text. Both are checked; a template that re-renders
+history (e.g. strips reasoning from earlier turns) raises a UserError instead of a wrong mask.
+
+Characters map to tokens through ONE tokenization of the full text (offset mapping), so the ids
+are exactly what the model sees; a token is supervised iff its first character is supervised.
+Texts are tokenized in batches (the Rust tokenizer parallelises across a batch).
+
+The cache is one .npz file (no pickle) per key = sha256(conversations, tokenizer, template,
+max_length, overlong, min_supervised, template kwargs, format version), written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash_trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+_STAT_KEYS = ("examples", "dropped_overlong", "truncated", "dropped_short", "tokens",
+              "supervised_tokens")
+
+
+@dataclass
+class TokenizedExample:
+    input_ids: list[int]
+    loss_mask: list[int]    # 1 = assistant token (content + end-of-turn)
+    truncated: bool = False
+
+
+def _tok_name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+
+
+def _check_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"tokenizer '{_tok_name(tokenizer)}' has no chat template, so assistant "
+                        "turns cannot be located. Use an instruct/chat model's tokenizer, or set "
+                        "`tokenizer.chat_template` to a Jinja template (e.g. ChatML).")
+
+
+def _render(tokenizer, messages, gen: bool, kwargs: dict) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
+                                         **kwargs)
+
+
+def _special_strings(tokenizer) -> list[str]:
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
+        if getattr(tok, "special", False):
+            specials.add(str(tok))
+    return sorted((s for s in specials if s), key=len, reverse=True)
+
+
+def render_with_spans(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
+                      specials: list[str] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """Full text and the character spans [start, end) of every supervised assistant turn."""
+    kw = dict(template_kwargs or {})
+    specials = _special_strings(tokenizer) if specials is None else specials
+    full = _render(tokenizer, messages, False, kw)
+    spans = []
+    for i, m in enumerate(messages):
+        # A leading assistant turn has no prompt to condition on: never supervised.
+        if m["role"] != "assistant" or i == 0:
+            continue
+        p = _render(tokenizer, messages[:i], True, kw)
+        q = _render(tokenizer, messages[: i + 1], False, kw)
+        if not q.startswith(p) or not full.startswith(q):
+            which = "the generation prompt" if not q.startswith(p) else f"messages[:{i + 1}]"
+            raise UserError(
+                f"chat template of tokenizer '{_tok_name(tokenizer)}' is not prefix-stable: "
+                f"{which} does not render as a prefix of the conversation at assistant turn "
+                f"{i} (the template renders earlier turns differently, e.g. drops reasoning). "
+                "Set `tokenizer.chat_template` to a template that renders history unchanged, or "
+                "use single-turn data.")
+        start, end = len(p), len(q)
+        seg = q[start:end]
+        cut = max((seg.rfind(s) + len(s) for s in specials if s in seg), default=-1)
+        if cut > 0:
+            end = start + cut
+        if end > start:
+            spans.append((start, end))
+    return full, spans
+
+
+def _mask_from_offsets(offsets, spans) -> np.ndarray:
+    starts = np.fromiter((o[0] for o in offsets), dtype=np.int64, count=len(offsets))
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    for s, e in spans:
+        mask[(starts >= s) & (starts < e)] = 1
+    return mask
+
+
+def _finish(ids: list[int], mask: np.ndarray, max_length: int, overlong: str,
+            min_supervised: int, stats: dict | None) -> TokenizedExample | None:
+    stats = stats if stats is not None else {}
+    truncated = False
+    if len(ids) > max_length:
+        if overlong == "drop":
+            stats["dropped_overlong"] = stats.get("dropped_overlong", 0) + 1
+            return None
+        ids, mask, truncated = ids[:max_length], mask[:max_length], True
+    if int(mask.sum()) < min_supervised:
+        stats["dropped_short"] = stats.get("dropped_short", 0) + 1
+        return None
+    if truncated:
+        stats["truncated"] = stats.get("truncated", 0) + 1
+    return TokenizedExample(list(ids), mask.tolist(), truncated)
+
+
+def _encode(tokenizer, texts: list[str]):
+    if not getattr(tokenizer, "is_fast", True):
+        raise UserError(f"tokenizer '{_tok_name(tokenizer)}' is a slow (Python) tokenizer; the "
+                        "loss mask needs offset mappings. Load it with use_fast=True.")
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], enc["offset_mapping"]
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, overlong: str,
+                          min_supervised: int = 2, template_kwargs: dict | None = None,
+                          stats: dict | None = None) -> TokenizedExample | None:
+    """One conversation -> ids + assistant mask, or None (dropped; the reason is counted in stats).
+
+    overlong: 'truncate' keeps the first max_length tokens, 'drop' drops the example.
+    """
+    if overlong not in ("truncate", "drop"):
+        raise UserError(f"data.overlong: {overlong!r} is not 'truncate' or 'drop'.")
+    _check_template(tokenizer)
+    text, spans = render_with_spans(tokenizer, messages, template_kwargs)
+    (ids,), (offs,) = _encode(tokenizer, [text])
+    return _finish(ids, _mask_from_offsets(offs, spans), max_length, overlong, min_supervised,
+                   stats)
+
+
+# --------------------------------------------------------------------------------------------
+# Dataset
+# --------------------------------------------------------------------------------------------
+
+class TokenizedDataset:
+    """Tokenized conversations: per-example int32 ids, uint8 loss masks, string ids, lengths."""
+
+    def __init__(self, input_ids: list, loss_mask: list, ids: list[str], stats: dict | None = None,
+                 pad_id: int = 0):
+        assert len(input_ids) == len(loss_mask) == len(ids)
+        self.input_ids = [np.asarray(x, dtype=np.int32) for x in input_ids]
+        self.loss_mask = [np.asarray(x, dtype=np.uint8) for x in loss_mask]
+        self.ids = list(ids)
+        self.lengths = np.array([len(x) for x in self.input_ids], dtype=np.int64)
+        self.pad_id = int(pad_id)
+        self.stats = dict(stats or {})
+        self.stats.setdefault("examples", len(self.ids))
+        self.stats.setdefault("tokens", int(self.lengths.sum()))
+        self.stats.setdefault("supervised_tokens", int(sum(int(m.sum()) for m in self.loss_mask)))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def subset(self, indices) -> "TokenizedDataset":
+        idx = list(indices)
+        sub = TokenizedDataset([self.input_ids[i] for i in idx], [self.loss_mask[i] for i in idx],
+                               [self.ids[i] for i in idx], None, self.pad_id)
+        return sub
+
+    def split_heldout(self, fraction: float, seed: int = 0
+                      ) -> tuple["TokenizedDataset", "TokenizedDataset"]:
+        """Split by conversation id (weighted copies share an id and stay on one side)."""
+        groups = sorted(set(self.ids))
+        n_held = int(round(fraction * len(groups)))
+        if fraction > 0 and len(groups) > 1:
+            n_held = min(max(n_held, 1), len(groups) - 1)
+        rng = np.random.default_rng([seed, 0x5EED])
+        held = {groups[i] for i in rng.permutation(len(groups))[:n_held].tolist()}
+        train_idx = [i for i, g in enumerate(self.ids) if g not in held]
+        held_idx = [i for i, g in enumerate(self.ids) if g in held]
+        return self.subset(train_idx), self.subset(held_idx)
+
+    # ---- cache (npz, no pickle) ----
+    def save(self, path: Path) -> None:
+        flat_ids = np.concatenate(self.input_ids) if self.input_ids else np.zeros(0, np.int32)
+        flat_mask = np.concatenate(self.loss_mask) if self.loss_mask else np.zeros(0, np.uint8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, input_ids=flat_ids, loss_mask=flat_mask, lengths=self.lengths,
+                         ids=np.array(self.ids, dtype=np.str_),
+                         meta=np.array(json.dumps({"stats": self.stats, "pad_id": self.pad_id,
+                                                   "format": CACHE_FORMAT})))
+            os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache file
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path) -> "TokenizedDataset":
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            bounds = np.cumsum(z["lengths"])[:-1]
+            ids = np.split(z["input_ids"], bounds) if len(z["lengths"]) else []
+            mask = np.split(z["loss_mask"], bounds) if len(z["lengths"]) else []
+            return cls(ids, mask, z["ids"].tolist(), meta["stats"], meta["pad_id"])
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.sha256(_tok_name(tokenizer).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())   # vocab, merges, normalizer, special tokens
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    return h.hexdigest()
+
+
+def cache_key(data_cfg, tokenizer, conversations, template_kwargs: dict | None = None) -> str:
+    conv_h = hashlib.sha256()
+    for c in conversations:
+        conv_h.update(json.dumps([c.id, c.messages], ensure_ascii=False,
+                                 sort_keys=True).encode())
+        conv_h.update(b"\x00")
+    key = {"format": CACHE_FORMAT, "conversations": conv_h.hexdigest(),
+           "tokenizer": tokenizer_fingerprint(tokenizer), "template": tokenizer.chat_template,
+           "max_length": data_cfg.max_length, "overlong": data_cfg.overlong,
+           "min_supervised": data_cfg.min_supervised, "template_kwargs": template_kwargs or {}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _default_cache_dir(data_cfg) -> Path:
+    if data_cfg.cache_dir:
+        return Path(data_cfg.cache_dir).expanduser()
+    return Path.home() / ".cache" / "dflash-trainer" / "tokenized"
+
+
+def _tokenize_all(tokenizer, conversations, data_cfg, template_kwargs, chunk: int = 512):
+    """Tokenize every conversation (no cache). Returns (ids, masks, conv ids, stats)."""
+    _check_template(tokenizer)
+    specials = _special_strings(tokenizer)
+    stats = {k: 0 for k in _STAT_KEYS}
+    out_ids, out_mask, out_cid = [], [], []
+    for lo in range(0, len(conversations), chunk):
+        part = conversations[lo:lo + chunk]
+        rendered = [render_with_spans(tokenizer, c.messages, template_kwargs, specials)
+                    for c in part]
+        all_ids, all_offs = _encode(tokenizer, [t for t, _ in rendered])
+        for c, (_, spans), ids, offs in zip(part, rendered, all_ids, all_offs):
+            ex = _finish(ids, _mask_from_offsets(offs, spans), data_cfg.max_length,
+                         data_cfg.overlong, data_cfg.min_supervised, stats)
+            if ex is None:
+                continue
+            out_ids.append(np.asarray(ex.input_ids, dtype=np.int32))
+            out_mask.append(np.asarray(ex.loss_mask, dtype=np.uint8))
+            out_cid.append(c.id)
+    stats["examples"] = len(out_ids)
+    stats["tokens"] = int(sum(len(x) for x in out_ids))
+    stats["supervised_tokens"] = int(sum(int(m.sum()) for m in out_mask))
+    return out_ids, out_mask, out_cid, stats
+
+
+def pad_token_id(tokenizer) -> int:
+    pid = getattr(tokenizer, "pad_token_id", None)
+    return int(pid) if pid is not None else 0
+
+
+def build_dataset(data_cfg, tokenizer, conversations, cache_dir=None,
+                  template_kwargs: dict | None = None) -> TokenizedDataset:
+    """Tokenize (or load from the disk cache) all conversations."""
+    _check_template(tokenizer)
+    if data_cfg.overlong not in ("truncate", "drop"):
+        raise UserError(f"data.overlong: {data_cfg.overlong!r} is not 'truncate' or 'drop'.")
+    root = Path(cache_dir).expanduser() if cache_dir else _default_cache_dir(data_cfg)
+    path = root / f"{cache_key(data_cfg, tokenizer, conversations, template_kwargs)}.npz"
+    if path.exists():
+        try:
+            ds = TokenizedDataset.load(path)
+            log.info("tokenized data: cache hit %s (%d examples)", path, len(ds))
+            return ds
+        except Exception as e:  # a corrupt cache is rebuilt, never trusted
+            log.warning("tokenized data: ignoring unreadable cache %s (%s)", path, e)
+    ids, masks, cids, stats = _tokenize_all(tokenizer, conversations, data_cfg, template_kwargs)
+    if not ids:
+        raise UserError(f"no conversation survived tokenization ({stats}); raise data.max_length, "
+                        "use data.overlong=truncate or lower data.min_supervised.")
+    ds = TokenizedDataset(ids, masks, cids, stats, pad_token_id(tokenizer))
+    ds.save(path)
+    log.info("tokenized data: %s -> %s", stats, path)
+    return ds

@@ -1,0 +1,112 @@
+"""Acceptance and speed metrics over many generations (pure Python; no torch).
+
+Conventions (method doc §3, z-lab benchmark):
+- acceptance length of a cycle = tokens it committed, bonus included (1..block_size), clipped where
+  the token limit or a stop id cut the cycle short;
+- tau = mean over responses of each response's mean acceptance length (responses with no cycle are
+  skipped); `tau_token_weighted` = all committed tokens / all cycles;
+- speedup = mean time-per-output-token of the AR baseline / mean TPOT with the drafter, prefill
+  excluded on both sides.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+@dataclass
+class EvalSummary:
+    block_size: int
+    num_responses: int
+    num_cycles: int
+    num_tokens: int
+    tau: float
+    tau_token_weighted: float
+    histogram: list[float]                   # [k-1] = share of cycles that committed k tokens
+    position_acceptance: list[float]         # [i-1] = share of cycles whose draft slot i was accepted
+    tpot: float                              # seconds/token with the drafter (mean over responses)
+    draft_share: float                       # drafter time / (drafter + verify) time
+    ar_tpot: float | None = None             # seconds/token, AR baseline
+    speedup: float | None = None
+    outputs_match: float | None = None       # share of responses where spec == AR tokens
+    spec_results: list[Any] = field(default_factory=list, repr=False)
+    ar_results: list[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.tpot if self.tpot > 0 else float("inf")
+
+    @property
+    def lossless(self) -> bool | None:
+        return None if self.outputs_match is None else self.outputs_match == 1.0
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in (
+            "block_size", "num_responses", "num_cycles", "num_tokens", "tau", "tau_token_weighted",
+            "histogram", "position_acceptance", "tpot", "draft_share", "ar_tpot", "speedup",
+            "outputs_match", "tokens_per_s", "lossless")}
+        d["acceptance_lengths"] = [r.acceptance_lengths for r in self.spec_results]
+        return d
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def position_acceptance(accepted: Sequence[int], block_sizes: Sequence[int],
+                        block_size: int) -> list[float]:
+    """Per draft slot i (1..block_size-1): accepted in how many of the cycles that drafted slot i."""
+    hits = [0] * (block_size - 1)
+    seen = [0] * (block_size - 1)
+    for a, q in zip(accepted, block_sizes):
+        for i in range(1, q):
+            seen[i - 1] += 1
+            hits[i - 1] += a >= i
+    return [h / s if s else 0.0 for h, s in zip(hits, seen)]
+
+
+def summarize(spec: Sequence[Any], ar: Sequence[Any] | None, block_size: int) -> EvalSummary:
+    """Aggregate GenResults of the drafter runs (and, optionally, the matching AR runs)."""
+    lengths = [n for r in spec for n in r.acceptance_lengths]
+    per_response = [_mean(r.acceptance_lengths) for r in spec if r.acceptance_lengths]
+    hist = [0] * block_size
+    for n in lengths:
+        hist[n - 1] += 1
+    accepted = [a for r in spec for a in r.accepted_drafts]
+    sizes = [q for r in spec for q in r.block_sizes]
+    draft_t = sum(r.draft_time for r in spec)
+    verify_t = sum(r.verify_time for r in spec)
+    s = EvalSummary(
+        block_size=block_size, num_responses=len(spec), num_cycles=len(lengths),
+        num_tokens=sum(r.num_tokens for r in spec),
+        tau=_mean(per_response) if per_response else 1.0,
+        tau_token_weighted=sum(lengths) / len(lengths) if lengths else 1.0,
+        histogram=[h / len(lengths) if lengths else 0.0 for h in hist],
+        position_acceptance=position_acceptance(accepted, sizes, block_size),
+        tpot=_mean([r.tpot for r in spec]),
+        draft_share=draft_t / (draft_t + verify_t) if draft_t + verify_t > 0 else 0.0,
+        spec_results=list(spec))
+    if ar:
+        if len(ar) != len(spec):
+            raise ValueError(f"{len(ar)} AR results for {len(spec)} spec results")
+        s.ar_results = list(ar)
+        s.ar_tpot = _mean([r.tpot for r in ar])
+        s.speedup = s.ar_tpot / s.tpot if s.tpot > 0 else None
+        s.outputs_match = _mean([float(a.tokens == b.tokens) for a, b in zip(spec, ar)])
+    return s
+
+
+def format_table(results: dict[str, EvalSummary]) -> str:
+    """One line per dataset: tau, speedup, tokens/s, n."""
+    head = (f"{'dataset':<16}{'n':>5}{'tau':>7}{'tau_tok':>9}{'speedup':>9}{'tok/s':>9}"
+            f"{'AR tok/s':>10}{'match':>7}")
+    rows = [head, "-" * len(head)]
+    for name, s in results.items():
+        sp = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
+        ar = f"{1 / s.ar_tpot:.1f}" if s.ar_tpot else "-"
+        m = f"{s.outputs_match:.2f}" if s.outputs_match is not None else "-"
+        rows.append(f"{name[:15]:<16}{s.num_responses:>5}{s.tau:>7.2f}{s.tau_token_weighted:>9.2f}"
+                    f"{sp:>9}{s.tokens_per_s:>9.1f}{ar:>10}{m:>7}")
+    return "\n".join(rows)

@@ -1,0 +1,569 @@
+"""Speculative decoding with a DFlash drafter: the draft-verify loop, its AR baseline, and `eval`.
+
+One cycle (batch 1, method doc §3):
+  block = [last committed token, MASK, ..., MASK] at positions start..start+Q-1
+  drafter: ONE forward_infer over the block, given the context features the drafter has not seen
+           yet; drafts = argmax(lm_head(hidden[:, 1:]))   (drafts are always greedy)
+  target:  ONE forward over the block (KV cache), tapping the drafter's layers
+  accept:  a = longest prefix with draft[i] == posterior[i-1]; commit posterior[0..a]
+           (= the a accepted drafts + the bonus token posterior[a])
+  then crop the target cache to the committed length; the taps of the a+1 verified committed
+  positions become the drafter's next new context.
+
+The plain autoregressive baseline is the same loop with Q=1 and no drafter, so the speedup compares
+like with like. Sampling (temperature > 0) uses the exact-match rule: a draft is accepted only if it
+equals the target's own sample at that position, so every emitted token is a target sample.
+The target's sample at absolute position t uses Gumbel noise keyed by (seed, t, token) (see
+`_position_noise`): sampling is then a pure function of the logits at t, which makes a spec run and an
+AR run with the same seed emit the same tokens: losslessness can be tested exactly, not statistically.
+
+Per-cycle host syncs (`.tolist()`) are inherent here: the accepted length decides control flow. This
+module is eval-only; it never runs inside a training step except through `quick_acceptance`, which
+the training loop calls between steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Interfaces the loop is written against (DFlashDrafter and TargetModel satisfy them)
+# --------------------------------------------------------------------------------------------
+
+class Drafter(Protocol):
+    """What the loop needs from a drafter (models/drafter.py: DFlashDrafter)."""
+
+    config: Any  # .block_size, .mask_token_id, .target_layer_ids
+
+    def new_cache(self) -> Any: ...  # object with .length (context positions cached)
+
+    def forward_infer(self, block_embeds: torch.Tensor, new_features: torch.Tensor, cache: Any,
+                      start: int) -> torch.Tensor: ...
+
+
+@dataclass
+class TargetSide:
+    """The target pieces the loop uses. `TargetModel` (models/target.py) has the same attributes."""
+
+    model: nn.Module                 # HF causal LM
+    layer_ids: list[int]             # 0-based decoder layers whose outputs are the features
+    embed_weight: torch.Tensor       # [V, H]
+    lm_head: nn.Module               # hidden -> logits
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, layer_ids: Sequence[int]) -> "TargetSide":
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(model, list(layer_ids), model.get_input_embeddings().weight,
+                   model.get_output_embeddings(), eos)
+
+
+# --------------------------------------------------------------------------------------------
+# Result of one generation
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class GenResult:
+    tokens: list[int]                 # new tokens only (the prefill token included), stop id kept
+    acceptance_lengths: list[int]     # per cycle: tokens committed (accepted drafts + bonus), clipped
+    accepted_drafts: list[int]        # per cycle: a, the accepted draft count before any clipping
+    block_sizes: list[int]            # per cycle: Q, tokens verified (slot 0 + Q-1 drafts)
+    prefill_time: float = 0.0         # seconds
+    draft_time: float = 0.0           # seconds, drafter passes + draft argmax
+    verify_time: float = 0.0          # seconds, target passes + acceptance
+    decode_time: float = 0.0          # seconds, wall time after prefill
+    stopped: bool = False             # ended on a stop id (else on the token limit)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per cycle, bonus included (1.0 when no cycle ran)."""
+        n = len(self.acceptance_lengths)
+        return sum(self.acceptance_lengths) / n if n else 1.0
+
+    @property
+    def tpot(self) -> float:
+        """Decode seconds per output token (prefill excluded; same convention as the reference)."""
+        return self.decode_time / max(1, self.num_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Position-keyed sampling
+# --------------------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without ever overflowing (signed overflow is UB)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    # "lowbias32" integer finaliser (full avalanche); public-domain constants by C. Wellons.
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash32_int(x: int) -> int:
+    return int(_hash32(torch.tensor([x & _M32], dtype=torch.int64))[0])
+
+
+def _position_noise(seed: int, positions: Sequence[int], vocab: int,
+                    device: torch.device) -> torch.Tensor:
+    """Gumbel noise [len(positions), vocab], a pure function of (seed, position, token id)."""
+    keys = []
+    for p in positions:
+        k1 = _hash32_int(seed ^ _hash32_int(2 * p + 1))
+        keys.append((k1, _hash32_int(k1 ^ 0x9E3779B9)))
+    key = torch.tensor(keys, dtype=torch.int64, device=device)          # [Q, 2]
+    v = torch.arange(vocab, dtype=torch.int64, device=device)
+    x = _hash32(v[None] ^ key[:, :1])
+    x = _hash32((x + key[:, 1:]) & _M32)
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))          # uniform in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def _top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """-inf outside the smallest prefix of tokens (by probability) whose mass reaches top_p."""
+    if top_p >= 1.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p   # the top token is always kept
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def choose_tokens(logits: torch.Tensor, positions: Sequence[int], temperature: float, top_p: float,
+                  seed: int) -> torch.Tensor:
+    """The target's token at each position: argmax (T=0) or a position-keyed sample. logits [Q, V]."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    scaled = _top_p_logits(logits.float() / temperature, top_p)
+    noise = _position_noise(seed, positions, logits.shape[-1], logits.device)
+    return (scaled + noise).argmax(-1)  # Gumbel-max: an exact sample from softmax(scaled)
+
+
+# --------------------------------------------------------------------------------------------
+# Target forward with taps
+# --------------------------------------------------------------------------------------------
+
+def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise UserError(f"target {type(model).__name__} has no decoder `.layers` list to tap; "
+                        "DFlash needs a decoder-only transformer target.")
+    return layers
+
+
+@contextmanager
+def _tap(model: nn.Module, layer_ids: Sequence[int]):
+    """Capture the outputs of the given decoder layers (the DFlash feature: layer output, 0-based).
+
+    Hooks live only for one forward so a target shared with training is left untouched.
+    """
+    captured: dict[int, torch.Tensor] = {}
+    layers = _decoder_layers(model)
+    handles = []
+    for i in layer_ids:
+        def hook(_mod, _inp, out, i=i):
+            captured[i] = out[0] if isinstance(out, (tuple, list)) else out
+        handles.append(layers[i].register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _target_forward(target: TargetSide, ids: torch.Tensor, start: int, cache: Any, want_taps: bool,
+                    last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [Q or 1, V] and taps [1, Q, n*H] (or None) for `ids` [1, Q] at positions start.."""
+    q = ids.shape[1]
+    pos = torch.arange(start, start + q, device=ids.device)[None]
+    with _tap(target.model, target.layer_ids if want_taps else ()) as caps:
+        out = target.model(input_ids=ids, position_ids=pos, use_cache=True,
+                           logits_to_keep=1 if last_only else 0,
+                           **{_cache_kwarg(target.model): cache})
+    feats = torch.cat([caps[i] for i in target.layer_ids], dim=-1) if want_taps else None
+    return out.logits[0], feats
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` (old name deprecated, removed in 5.40).
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _new_target_cache(model: nn.Module):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if hasattr(cache, "activate_past_recording"):  # sliding-window layers must be able to roll back
+        cache.activate_past_recording()
+    return cache
+
+
+def _crop(cache: Any, length: int) -> None:
+    remove = cache.get_seq_length() - length
+    if remove < 0:
+        raise RuntimeError(f"target cache holds {cache.get_seq_length()} positions, need {length}")
+    cache.crop(-remove)
+
+
+class _Clock:
+    """perf_counter, synchronising CUDA first so GPU work is charged to the right phase."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _dtype_of(module: nn.Module, default: torch.dtype) -> torch.dtype:
+    p = next(iter(module.parameters()), None) if isinstance(module, nn.Module) else None
+    return p.dtype if p is not None else default
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weight: torch.Tensor,
+                  lm_head: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor,
+                  max_new_tokens: int, block_size: int, temperature: float = 0.0,
+                  top_p: float = 1.0, stop_ids: Sequence[int] = (),
+                  generator: torch.Generator | None = None) -> GenResult:
+    """Generate up to max_new_tokens after input_ids [1, P] with draft-verify cycles of block_size.
+
+    block_size=1 (drafter may be None) is plain autoregressive decoding with the same code.
+    `generator` draws the sampling seed (temperature > 0 only); equal generator states give equal
+    samples for spec and AR runs.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [1, P] with P >= 1, got {tuple(input_ids.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not 0.0 < top_p <= 1.0 or temperature < 0:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    target = TargetSide(target_model, list(layer_ids), embed_weight, lm_head)
+    use_drafter = block_size > 1
+    if use_drafter:
+        if drafter is None:
+            raise ValueError("block_size > 1 needs a drafter")
+        dcfg = drafter.config
+        if block_size > dcfg.block_size:
+            raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size "
+                             f"{dcfg.block_size}")
+        tl = getattr(dcfg, "target_layer_ids", None)
+        if tl is not None and list(tl) != target.layer_ids:
+            raise ValueError(f"drafter was trained on target layers {list(tl)}, but the target "
+                             f"taps {target.layer_ids}")
+        mask_id = int(dcfg.mask_token_id)
+        d_dtype = _dtype_of(drafter, embed_weight.dtype)  # type: ignore[arg-type]
+        h_dtype = _dtype_of(lm_head, embed_weight.dtype)
+    device = input_ids.device
+    clock = _Clock(device)
+    seed = _draw_seed(generator) if temperature > 0 else 0
+    stop = set(int(s) for s in stop_ids)
+    res = GenResult(tokens=[], acceptance_lengths=[], accepted_drafts=[], block_sizes=[])
+    if max_new_tokens <= 0:
+        return res
+
+    # Prefill: the whole prompt; its taps are the drafter's first context.
+    p_len = input_ids.shape[1]
+    t0 = clock()
+    cache = _new_target_cache(target_model)
+    logits, ctx = _target_forward(target, input_ids, 0, cache, use_drafter, last_only=True)
+    first = choose_tokens(logits[-1:], [p_len], temperature, top_p, seed)   # token at position P
+    res.tokens.append(int(first[0]))
+    t1 = clock()
+    res.prefill_time = t1 - t0
+    dcache = drafter.new_cache() if use_drafter else None
+
+    last = first                      # [1] device tensor: the committed token the target hasn't seen
+    start = p_len                     # its position
+    res.stopped = res.tokens[0] in stop
+    while not res.stopped and len(res.tokens) < max_new_tokens:
+        remaining = max_new_tokens - len(res.tokens)
+        # One slot more than the tokens still allowed, like the reference loop: the block's bonus
+        # covers the last allowed token; whatever overshoots is clipped below.
+        q = min(block_size, remaining + 1)
+        ta = clock()
+        if use_drafter and q > 1:
+            block = torch.full((1, q), mask_id, dtype=torch.long, device=device)
+            block[0, 0] = last[0]
+            cached = getattr(dcache, "length", start - ctx.shape[1])
+            if cached + ctx.shape[1] != start:
+                raise RuntimeError(f"drafter cache holds {cached} context positions + "
+                                   f"{ctx.shape[1]} new != block start {start}")
+            hidden = drafter.forward_infer(F.embedding(block, embed_weight).to(d_dtype),
+                                           ctx.to(d_dtype), dcache, start)
+            block[0, 1:] = lm_head(hidden[:, 1:].to(h_dtype)).argmax(-1)[0]
+        else:
+            block = last.view(1, 1)
+        tb = clock()
+        logits, taps = _target_forward(target, block, start, cache, use_drafter)
+        posterior = choose_tokens(logits, range(start + 1, start + 1 + q), temperature, top_p, seed)
+        host = torch.cat([block[0], posterior]).tolist()   # the one sync per cycle
+        drafts, post = host[1:q], host[q:]
+        a = 0
+        while a < q - 1 and drafts[a] == post[a]:
+            a += 1
+        new = post[: a + 1]                                  # accepted drafts + bonus, by position
+        produced = min(a + 1, remaining)
+        for i, tok in enumerate(new[:produced]):
+            if tok in stop:
+                produced, res.stopped = i + 1, True
+                break
+        res.tokens.extend(new[:produced])
+        res.acceptance_lengths.append(produced)
+        res.accepted_drafts.append(a)
+        res.block_sizes.append(q)
+        # Committed positions start..start+produced-1 now hold verified K/V; the bonus (position
+        # start+produced) has none yet and is slot 0 of the next block.
+        _crop(cache, start + produced)
+        if use_drafter:
+            ctx = taps[:, :produced]
+        last = posterior[produced - 1: produced]
+        start += produced
+        tc = clock()
+        res.draft_time += tb - ta
+        res.verify_time += tc - tb
+    res.decode_time = clock() - t1
+    return res
+
+
+def ar_generate(target_model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+                temperature: float = 0.0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
+                generator: torch.Generator | None = None) -> GenResult:
+    """Plain autoregressive decoding: `spec_generate` with block_size=1 and no drafter."""
+    return spec_generate(target_model, [], target_model.get_input_embeddings().weight,
+                         target_model.get_output_embeddings(), None, input_ids, max_new_tokens, 1,
+                         temperature, top_p, stop_ids, generator)
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation over prompt sets
+# --------------------------------------------------------------------------------------------
+
+def _as_prompt(ids: Any, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(ids, dtype=torch.long, device=device)
+    return t.view(1, -1)
+
+
+def _target_device(target: Any) -> torch.device:
+    return next(target.model.parameters()).device
+
+
+@contextmanager
+def _eval_mode(*modules: Any):
+    """Put modules in eval mode and restore their previous mode (the trainer's drafter is training)."""
+    mods = [m for m in modules if isinstance(m, nn.Module)]
+    was = [m.training for m in mods]
+    try:
+        for m in mods:
+            m.eval()
+        yield
+    finally:
+        for m, w in zip(mods, was):
+            m.train(w)
+
+
+def _unwrap(drafter: Any) -> Any:
+    return getattr(drafter, "module", drafter)  # DDP / FSDP wrappers keep the model in .module
+
+
+def evaluate(target: Any, drafter: Drafter, prompts: Sequence[Any], max_new_tokens: int,
+             block_size: int, temperature: float = 0.0, top_p: float = 1.0,
+             stop_ids: Sequence[int] | None = None, seed: int = 0, baseline: bool = True,
+             warmup: bool = True,
+             generate_fn: Callable[..., GenResult] = spec_generate) -> EvalSummary:
+    """Run spec decoding (and the AR baseline) over prompts (token id lists or [1,P] tensors).
+
+    `target` is a TargetModel or TargetSide. The spec and AR run of a prompt share a seed, so in
+    sampling mode they also produce comparable (identical, when lossless) outputs.
+    """
+    drafter = _unwrap(drafter)
+    device = _target_device(target)
+    stop = list(target.eos_token_ids if stop_ids is None else stop_ids)
+    args = (target.model, target.layer_ids, target.embed_weight, target.lm_head)
+    spec, ar = [], []
+    with _eval_mode(target.model, drafter):
+        if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out
+            w = _as_prompt(prompts[0], device)
+            generate_fn(*args, drafter, w, min(8, max_new_tokens), block_size, temperature, top_p,
+                        stop, torch.Generator().manual_seed(seed))
+            if baseline:
+                generate_fn(*args, None, w, min(8, max_new_tokens), 1, temperature, top_p, stop,
+                            torch.Generator().manual_seed(seed))
+        for i, p in enumerate(prompts):
+            ids = _as_prompt(p, device)
+            spec.append(generate_fn(*args, drafter, ids, max_new_tokens, block_size, temperature,
+                                    top_p, stop, torch.Generator().manual_seed(seed + i)))
+            if baseline:
+                ar.append(generate_fn(*args, None, ids, max_new_tokens, 1, temperature, top_p,
+                                      stop, torch.Generator().manual_seed(seed + i)))
+    return summarize(spec, ar or None, block_size)
+
+
+def quick_acceptance(target: Any, drafter: Drafter, prompts_token_ids: Sequence[Any],
+                     max_new_tokens: int, block_size: int) -> dict[str, float]:
+    """Greedy acceptance length only (no baseline, no timing): cheap enough for the training loop."""
+    s = evaluate(target, drafter, prompts_token_ids, max_new_tokens, block_size, baseline=False,
+                 warmup=False)
+    return {"tau": s.tau, "tau_token_weighted": s.tau_token_weighted,
+            "num_prompts": float(s.num_responses), "num_cycles": float(s.num_cycles)}
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt sets and the `eval` command
+# --------------------------------------------------------------------------------------------
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system"}
+
+
+def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
+    """A JSONL file of {id, messages:[{role, content}]} (or ShareGPT `conversations`)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"eval prompt file '{p}' does not exist; eval.datasets takes "
+                        "'mt-bench', 'humaneval', 'heldout' or a JSONL path.")
+    out = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}:{n}: invalid JSON ({e.msg}); one object per line.") from None
+        msgs = rec.get("messages") if isinstance(rec, dict) else None
+        if msgs is None and isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
+            msgs = [{"role": _SHAREGPT_ROLES.get(m.get("from"), ""), "content": m.get("value")}
+                    for m in rec["conversations"] if isinstance(m, dict)]
+        if (not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str) for m in msgs)):
+            raise UserError(f"{p}:{n}: expected {{\"id\": ..., \"messages\": [{{\"role\": "
+                            "\"user\", \"content\": \"...\"}]} with roles system/user/assistant.")
+        if not any(m["role"] == "user" for m in msgs):
+            raise UserError(f"{p}:{n}: the conversation has no user turn to answer.")
+        out.append((str(rec.get("id", f"{p.name}:{n}")), msgs))
+    return out
+
+
+def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
+    """(id, messages) pairs for one entry of eval.datasets."""
+    if name in ("mt-bench", "humaneval"):
+        from dflash_trainer.models.embedded import embedded_prompts
+
+        prefix = {"mt-bench": "mtbench-", "humaneval": "humaneval-"}[name]
+        convs = [c for c in embedded_prompts() if c.id.startswith(prefix)]
+        if not convs:
+            raise UserError(f"no embedded prompts found for eval dataset '{name}'.")
+        return [(c.id, c.messages) for c in convs]
+    if name == "heldout":
+        path = getattr(cfg.eval, "heldout_path", "") or str(Path(cfg.run_dir) / "heldout.jsonl")
+        if Path(path).is_file():
+            return load_prompt_file(path)
+        log.warning("eval: no held-out file at %s; using mt-bench prompts instead", path)
+        return load_prompt_set("mt-bench", cfg)
+    return load_prompt_file(name)
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict], enable_thinking: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def run_conversations(target: Any, drafter: Drafter, convs: Sequence[tuple[str, list[dict]]],
+                      max_new_tokens: int, block_size: int, temperature: float, top_p: float,
+                      enable_thinking: bool, seed: int = 0) -> EvalSummary:
+    """Answer every user turn of each conversation in order (multi-turn, like the z-lab benchmark):
+    each turn is one response; the history carries the spec-decoded answers, not the file's own."""
+    tok = target.tokenizer
+    spec, ar = [], []
+    for ci, (_cid, msgs) in enumerate(convs):
+        history: list[dict] = []
+        for m in msgs:
+            if m["role"] == "assistant":
+                continue  # regenerated below
+            history.append(m)
+            if m["role"] != "user":
+                continue
+            ids = _chat_ids(tok, history, enable_thinking)
+            s = evaluate(target, drafter, [ids], max_new_tokens, block_size, temperature, top_p,
+                         seed=seed + 1000 * ci + len(history), warmup=not spec)
+            spec += s.spec_results
+            ar += s.ar_results
+            text = tok.decode(s.spec_results[0].tokens, skip_special_tokens=True)
+            history.append({"role": "assistant", "content": text})
+    return summarize(spec, ar, block_size)
+
+
+def eval_command(cfg: Any, args: Any) -> int:
+    from dflash_trainer.models.export import load_drafter
+    from dflash_trainer.models.target import TargetModel
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    drafter_dir = Path(getattr(args, "drafter_path", None) or Path(cfg.run_dir) / "export")
+    if not drafter_dir.is_dir():
+        raise UserError(f"no exported drafter at '{drafter_dir}'; train first or pass --drafter DIR.")
+    output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
+    target = TargetModel.load(cfg.target, device)
+    drafter = load_drafter(drafter_dir, device)
+    block_size = cfg.eval.block_size or drafter.config.block_size
+    results = {}
+    for name in cfg.eval.datasets:
+        convs = load_prompt_set(name, cfg)[: cfg.eval.num_prompts]
+        log.info("eval: %s, %d conversations, block %d", name, len(convs), block_size)
+        s = run_conversations(target, drafter, convs, cfg.eval.max_new_tokens, block_size,
+                              cfg.eval.temperature, getattr(cfg.eval, "top_p", 1.0),
+                              cfg.target.enable_thinking)
+        results[name] = s
+    print(format_table(results))
+    payload = {"drafter": str(drafter_dir), "target": getattr(target, "name", cfg.target.model),
+               "block_size": block_size, "max_new_tokens": cfg.eval.max_new_tokens,
+               "temperature": cfg.eval.temperature, "device": str(device),
+               "datasets": {k: v.to_dict() for k, v in results.items()}}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    log.info("eval: wrote %s", output)
+    return 0

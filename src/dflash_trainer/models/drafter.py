@@ -1,0 +1,343 @@
+"""The DFlash drafter: Qwen3-style decoder layers with target-feature KV injection (method §1).
+
+    features [B,S,n*H] --fc--> hidden_norm --> ctx [B,S,H]          (computed once per context token)
+    block_embeds [B,Q,H] (target's frozen embedding of [tok, MASK x bs-1] per block)
+      per layer:  x -> input_layernorm -> q from the block only;
+                  K/V = [k_proj/v_proj(ctx) ; k_proj/v_proj(block)]  (ctx gets no layer norm)
+                  q_norm/k_norm per head, RoPE at absolute positions, GQA, no causal mask
+                  -> o_proj + residual -> post_attention_layernorm -> SwiGLU + residual
+    -> norm -> hidden [B,Q,H]   (the caller applies the target's frozen lm_head)
+
+Parameter names equal the published safetensors names (fc.weight, hidden_norm.weight,
+norm.weight, layers.{i}.self_attn.q_proj.weight, ...), so export is a plain state_dict dump.
+No embedding and no LM head live here.
+
+Training (`forward`): blocks at anchors, mask by anchor position (models/attention.py).
+Inference (`forward_infer`): context K/V cached per layer after k_norm + RoPE at their absolute
+positions; block K/V are never kept, so the cache holds context only (method §3 step 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trainer.models.attention import block_attention
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    vocab_size: int
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    attention: str = "auto"          # auto | split | dense | flex (training attention)
+    init_std: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on export
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_configs(cls, drafter_cfg, target) -> "DFlashConfig":
+        """Drafter section of the run config + a loaded target (TargetModel or a duck type with
+        .hidden_size .num_layers .layer_ids .vocab_size .model.config [.tokenizer])."""
+        tcfg = target.model.config
+        theta = float(drafter_cfg.rope_theta) or _target_rope_theta(tcfg)
+        return cls(
+            hidden_size=int(target.hidden_size),
+            num_layers=drafter_cfg.num_layers,
+            num_heads=drafter_cfg.num_heads,
+            num_kv_heads=drafter_cfg.num_kv_heads,
+            head_dim=drafter_cfg.head_dim,
+            intermediate_size=drafter_cfg.intermediate_size,
+            block_size=drafter_cfg.block_size,
+            target_layer_ids=list(target.layer_ids),
+            num_target_layers=int(target.num_layers),
+            mask_token_id=resolve_mask_token_id(drafter_cfg.mask_token_id, target),
+            vocab_size=int(target.vocab_size),
+            rope_theta=theta,
+            rms_norm_eps=drafter_cfg.rms_norm_eps,
+            max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", None) or 40960),
+            attention=drafter_cfg.attention,
+            init_std=drafter_cfg.init_std,
+        )
+
+
+def _target_rope_theta(tcfg) -> float:
+    # transformers 5 moved rope_theta into config.rope_parameters; 4.x keeps it top-level.
+    rp = getattr(tcfg, "rope_parameters", None)
+    if isinstance(rp, dict):
+        if "rope_theta" in rp:
+            return float(rp["rope_theta"])
+        for sub in rp.values():  # per-layer-type form {"full_attention": {...}}
+            if isinstance(sub, dict) and "rope_theta" in sub:
+                return float(sub["rope_theta"])
+    theta = getattr(tcfg, "rope_theta", None)
+    return float(theta) if theta else 10000.0
+
+
+def resolve_mask_token_id(configured: int, target) -> int:
+    """-1 = auto: the first padded embedding row (len(tokenizer) < vocab_size), else 0."""
+    vocab = int(target.vocab_size)
+    if configured >= 0:
+        if configured >= vocab:
+            from dflash_trainer.errors import UserError
+            raise UserError(f"drafter.mask_token_id={configured} is outside the target's "
+                            f"embedding table (vocab_size {vocab}); use -1 for auto.")
+        return int(configured)
+    tok = getattr(target, "tokenizer", None)
+    n = len(tok) if tok is not None else vocab
+    return n if n < vocab else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Building blocks
+# ------------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: statistics in fp32, weight applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dt)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin [*positions.shape, head_dim] for integer positions (any shape), computed in fp32."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                        dtype=torch.float32) / head_dim))
+    ang = positions.to(torch.float32)[..., None] * inv
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, L, d]; cos/sin [B, L, d] (broadcast over heads)."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        h, d = cfg.num_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def project_q(self, x, cos, sin):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, L, self.num_heads, self.head_dim)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+    def project_kv(self, x, cos, sin):
+        """K after k_norm + RoPE, V plain: both [B, hkv, L, d]."""
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def merge(self, o):
+        B, h, L, d = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, L, h * d))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, attend):
+        """x [B,Q,H] block stream; rope = (cos, sin) at the block positions;
+        attend(q, k_blk, v_blk) -> [B,h,Q,d] supplies the context K/V and the mask."""
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = a.project_q(h, *rope)
+        k_blk, v_blk = a.project_kv(h, *rope)
+        x = x + a.merge(attend(q, k_blk, v_blk))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ------------------------------------------------------------------------------------------------
+# Inference cache
+# ------------------------------------------------------------------------------------------------
+
+class DrafterCache:
+    """Per-layer context K (after k_norm + RoPE) and V, [B, hkv, length, d]. Context only."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+    def crop(self, n: int) -> None:
+        """Keep the first n context entries (e.g. after a rejected draft)."""
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:, :, :n], self.values[i][:, :, :n]
+
+
+# ------------------------------------------------------------------------------------------------
+# The drafter
+# ------------------------------------------------------------------------------------------------
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_features * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Linear weights ~ N(0, init_std); every norm weight = 1 (method §2.5)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, self.config.init_std, generator=generator)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, S, n*H] target taps -> [B, S, H] context (hidden_norm(fc(.)))."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def _rope(self, positions, dtype):
+        c = self.config
+        return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+
+    # -------------------------------------------------------------------------------- training
+    def forward(self, block_embeds: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                block_valid: torch.Tensor, attention: str | None = None) -> torch.Tensor:
+        """block_embeds [B,N*bs,H], features [B,S,n*H], anchors [B,N] long, block_valid [B,N] bool
+        -> final-normed hidden [B,N*bs,H]. Block j slot k sits at position anchors[:,j]+k and sees
+        context positions < anchors[:,j] and its own block (models/attention.py)."""
+        c = self.config
+        B, Q, _ = block_embeds.shape
+        S, bs = features.shape[1], c.block_size
+        impl = attention or c.attention
+        ctx = self.fuse(features)
+        x = block_embeds.to(ctx.dtype) if not torch.is_autocast_enabled() else block_embeds
+        dt = x.dtype
+        slot = torch.arange(bs, device=x.device)
+        blk_pos = (anchors[:, :, None] + slot).reshape(B, Q)
+        ctx_pos = torch.arange(S, device=x.device).expand(B, S)
+        rope_q = self._rope(blk_pos, dt)
+        rope_c = self._rope(ctx_pos, dt)
+        for layer in self.layers:
+            a = layer.self_attn
+            k_ctx, v_ctx = a.project_kv(ctx, *rope_c)
+
+            def attend(q, k_blk, v_blk, k_ctx=k_ctx, v_ctx=v_ctx):
+                k = torch.cat([k_ctx.to(k_blk.dtype), k_blk], dim=2)
+                v = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
+                return block_attention(q, k, v, anchors, block_valid, bs, impl)
+
+            x = layer(x, rope_q, attend)
+        return self.norm(x)
+
+    # -------------------------------------------------------------------------------- inference
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(self.config.num_layers)
+
+    def forward_infer(self, block_embeds: torch.Tensor, new_features: torch.Tensor | None,
+                      cache: DrafterCache, start: int) -> torch.Tensor:
+        """Append context K/V of new_features [B,C,n*H] (positions cache.length..) to the cache,
+        then run the block [B,Q,H] at positions start..start+Q-1 against all cached context and
+        all block tokens (no mask). Block K/V are not kept. Returns final-normed [B,Q,H]."""
+        B, Q, _ = block_embeds.shape
+        dev = block_embeds.device
+        x = block_embeds.to(self.fc.weight.dtype) if not torch.is_autocast_enabled() \
+            else block_embeds
+        dt = x.dtype
+        rope_q = self._rope(torch.arange(start, start + Q, device=dev).expand(B, Q), dt)
+        ctx = rope_c = None
+        if new_features is not None and new_features.shape[1] > 0:
+            C = new_features.shape[1]
+            ctx = self.fuse(new_features)
+            p0 = cache.length
+            rope_c = self._rope(torch.arange(p0, p0 + C, device=dev).expand(B, C), ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            if ctx is not None:
+                k_ctx, v_ctx = cache.append(i, *a.project_kv(ctx, *rope_c))
+            else:
+                k_ctx, v_ctx = cache.keys[i], cache.values[i]
+
+            def attend(q, k_blk, v_blk, k_ctx=k_ctx, v_ctx=v_ctx):
+                if k_ctx is not None:
+                    k_blk = torch.cat([k_ctx.to(k_blk.dtype), k_blk], dim=2)
+                    v_blk = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
+                return F.scaled_dot_product_attention(q, k_blk, v_blk,
+                                                      enable_gqa=q.shape[1] != k_blk.shape[1])
+
+            x = layer(x, rope_q, attend)
+        return self.norm(x)
+
+    def config_dict(self) -> dict:
+        return dataclasses.asdict(self.config)

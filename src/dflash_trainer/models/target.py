@@ -1,0 +1,271 @@
+"""The frozen target LLM: which layers to tap, and a forward that returns only those layers.
+
+DFlash conditions the drafter on the *outputs* of a few target decoder layers (method §1.2, §2.1).
+`output_hidden_states=True` would keep all L+1 hidden states and compute the vocab-sized logits that
+training never uses (for SmolLM2 at 8x512 that is ~1.1 GB of fp32 activations). Instead, forward
+hooks on the tapped layers copy out just those outputs, and the hook on the last tapped layer raises
+a private exception that ends the forward: later layers, the final norm and the LM head never run.
+
+Hooks are installed once per model and read a thread-local capture slot, so two threads may share
+one `TargetModel`, and a plain `model(...)`/`model.generate(...)` call (no capture active) is not
+affected.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PREFIX = "embedded:"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
+    """The DFlash rule: `num_taps` 0-based layer ids spread from layer 1 to layer L-3.
+
+    n == 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1)) with Python's (banker's) round,
+    as the reference does. 30 layers, 5 taps -> [1, 8, 14, 20, 27]; 36 -> [1, 9, 17, 25, 33].
+    """
+    if num_layers < 1:
+        raise UserError(f"the target has {num_layers} decoder layers; it needs at least one.")
+    if num_taps < 1:
+        raise UserError(f"target.num_taps must be >= 1, got {num_taps}.")
+    if num_taps == 1:
+        return [num_layers // 2]
+    ids = [round(1 + i * (num_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+    if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= num_layers:
+        # The rule needs L >= n + 3 to give n distinct layers inside 0..L-1.
+        raise UserError(
+            f"target.num_taps={num_taps} is too many for a target with {num_layers} layers: the "
+            f"DFlash rule gives {ids}, which are not {num_taps} distinct layers in "
+            f"0..{num_layers - 1}. Lower target.num_taps (at most {max(1, num_layers - 3)}) or "
+            "list the layers in target.taps.")
+    return ids
+
+
+def validate_taps(taps: list[int], num_layers: int) -> list[int]:
+    """Check an explicit `target.taps` list against the target's layer count."""
+    if not taps:
+        raise UserError("target.taps is empty; list at least one 0-based layer id, or leave it "
+                        "empty in the config to use target.num_taps and the DFlash rule.")
+    for t in taps:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise UserError(f"target.taps: {t!r} is not an integer layer id.")
+        if not 0 <= t < num_layers:
+            raise UserError(f"target.taps: layer {t} does not exist; the target has {num_layers} "
+                            f"layers (0..{num_layers - 1}).")
+    if any(b <= a for a, b in zip(taps, taps[1:])):
+        raise UserError(f"target.taps must be strictly increasing (no repeats), got {list(taps)}; "
+                        "the feature order follows the layer order.")
+    return list(taps)
+
+
+def resolve_layer_ids(target_cfg, num_layers: int) -> list[int]:
+    if target_cfg.taps:
+        return validate_taps(list(target_cfg.taps), num_layers)
+    return tap_layer_ids(num_layers, target_cfg.num_taps)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of an HF causal LM (Llama, Qwen2/3, Mistral, Gemma...: model.model.layers)."""
+    for path in ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise UserError(f"cannot find the decoder layers of {type(model).__name__}: expected "
+                    "`model.model.layers` (Llama/Qwen-style causal LM). This target "
+                    "architecture is not supported.")
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The module that runs embeddings + decoder layers without the LM head."""
+    for name in ("model", "transformer", "gpt_neox"):
+        sub = getattr(model, name, None)
+        if isinstance(sub, nn.Module) and not isinstance(sub, nn.ModuleList):
+            return sub
+    return model
+
+
+class _StopForward(Exception):
+    """Raised by the last tap's hook to end the forward early; never escapes this module."""
+
+
+class TargetModel:
+    """A frozen HF causal LM plus the tapped-layer feature extractor (see module docstring)."""
+
+    def __init__(self, model: nn.Module, tokenizer, layer_ids: list[int], name: str):
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self._layers = _decoder_layers(model)
+        self.num_layers = len(self._layers)
+        self.layer_ids = validate_taps(list(layer_ids), self.num_layers)
+        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.hidden_size = int(text_cfg.hidden_size)
+        emb = model.get_input_embeddings()
+        self.embed_weight = emb.weight
+        self.vocab_size = int(self.embed_weight.shape[0])
+        self.lm_head = model.get_output_embeddings()
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._backbone = _backbone(model)
+        # transformers 5.x renames `past_key_values` to `cache` (the old name is deprecated).
+        fwd = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        self._state = threading.local()
+        self._hooks = [self._layers[lid].register_forward_hook(self._make_hook(k))
+                       for k, lid in enumerate(self.layer_ids)]
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, tokenizer, layer_ids: list[int],
+                name: str = "") -> "TargetModel":
+        """Wrap an already-built HF model (tests, or callers that load it themselves)."""
+        return cls(model, tokenizer, layer_ids, name or type(model).__name__)
+
+    @classmethod
+    def load(cls, target_cfg, device: str | torch.device = "cpu") -> "TargetModel":
+        """Load `target_cfg.model` (local dir, hub name, or 'embedded:smollm2'), frozen, eval mode."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        name = target_cfg.model
+        if name.startswith(EMBEDDED_PREFIX):
+            from dflash_trainer.models.embedded import embedded_target_dir
+            path = str(embedded_target_dir(target_cfg.cache_dir, which=name[len(EMBEDDED_PREFIX):]))
+        else:
+            path = name
+        dtype = _DTYPES[target_cfg.dtype]
+        trc = bool(target_cfg.trust_remote_code)
+        if trc:
+            log.warning("target.trust_remote_code is on: %s may run its own Python code.", name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trc)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trc)
+        except (OSError, ValueError) as e:
+            hint = ("it is not a local directory, so it must be a Hugging Face hub name that is "
+                    "reachable or already in the HF cache" if not Path(path).is_dir()
+                    else "the directory does not hold a loadable HF causal LM")
+            raise UserError(f"target.model: cannot load '{name}': {hint}. Cause: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
+                from None
+        model.to(device)
+        layers = _decoder_layers(model)
+        layer_ids = resolve_layer_ids(target_cfg, len(layers))
+        return cls(model, tokenizer, layer_ids, name)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _make_hook(self, k: int):
+        is_last = k == len(self.layer_ids) - 1
+
+        def hook(module, args, output):
+            slots = getattr(self._state, "slots", None)
+            if slots is None:           # no capture active: a plain model call
+                return None
+            # Decoder layers return a tensor in transformers 5, a tuple in 4.x.
+            slots[k] = output[0] if isinstance(output, tuple) else output
+            if is_last and self._state.stop:
+                raise _StopForward
+            return None
+
+        return hook
+
+    def _begin(self, stop: bool) -> None:
+        if getattr(self._state, "slots", None) is not None:
+            raise RuntimeError("TargetModel capture is not re-entrant")
+        self._state.slots = [None] * len(self.layer_ids)
+        self._state.stop = stop
+
+    def _end(self) -> torch.Tensor | None:
+        slots, self._state.slots = self._state.slots, None
+        if any(s is None for s in slots):
+            return None
+        return torch.cat(slots, dim=-1)
+
+    # ------------------------------------------------------------------ forwards
+
+    def features(self, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B,S] token ids -> [B,S,n*H] tapped layer outputs concatenated in `layer_ids` order.
+
+        Runs under no_grad (not inference_mode: the drafter saves these tensors for its backward,
+        which inference tensors forbid). Stops after the last tapped layer.
+        """
+        self._begin(stop=True)
+        try:
+            with torch.no_grad():
+                self._backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            feats = self._end()
+        if feats is None:
+            raise RuntimeError("a tapped layer did not run; the model skipped a decoder layer")
+        return feats
+
+    def new_cache(self):
+        """An empty KV cache for `tapped_forward`."""
+        from transformers import DynamicCache
+        return DynamicCache(config=self.model.config)
+
+    def tapped_forward(self, input_ids: torch.Tensor, *, attention_mask=None, position_ids=None,
+                       past_key_values=None, logits_to_keep: int = 0,
+                       use_cache: bool | None = None):
+        """Full forward for speculative decoding -> (features [B,Q,n*H], logits, cache).
+
+        Features come from the hooks (no output_hidden_states). `logits_to_keep=0` keeps logits
+        for every position, k > 0 only for the last k. The KV cache is used and extended when
+        `past_key_values` is given (create one with `new_cache()`), or when use_cache=True.
+        """
+        if use_cache is None:
+            use_cache = past_key_values is not None
+        kwargs = {self._cache_kw: past_key_values}
+        self._begin(stop=False)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, use_cache=use_cache,
+                                 logits_to_keep=logits_to_keep, **kwargs)
+        finally:
+            feats = self._end()
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = getattr(out, "past_key_values", None)
+        return feats, out.logits, cache
+
+    def close(self) -> None:
+        """Remove the hooks (the HF model is then back to its original behaviour)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
+    """Stop tokens: the generation config's eos (int or list), else the tokenizer's eos."""
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return [int(i) for i in dict.fromkeys(ids)]

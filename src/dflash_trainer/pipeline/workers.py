@@ -1,0 +1,205 @@
+"""Worker threads of the pipeline. See runtime.py for the data flow and the shutdown protocol.
+
+Every worker: owns its counters (single writer), blocks only through BoundedQueue (timeouts +
+stop event), reports its end (`End`) or its failure (`StageFailure`) to the supervisor's
+`events` queue as a value, and never reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from dflash_trainer.observe.counters import WorkerCounters
+from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, StageFailure, WorkItem
+from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the `pipeline.fault` test hook."""
+
+
+class FaultInjector:
+    """`STAGE:STEP[:hang]`: raise (or hang) in STAGE when its step counter reaches STEP."""
+
+    def __init__(self, spec: str):
+        self.stage, self.step, self.hang = None, -1, False
+        if spec:
+            parts = spec.split(":")
+            self.stage, self.step = parts[0], int(parts[1])
+            self.hang = len(parts) > 2 and parts[2] == "hang"
+
+    def check(self, stage: str, step: int, stop: threading.Event) -> None:
+        if self.stage is None or not stage.startswith(self.stage) or step != self.step:
+            return
+        if self.hang:
+            log.warning("fault hook: %s hangs at step %d", stage, step)
+            while True:           # a stuck stage: ignores everything; the stall detector aborts
+                time.sleep(1.0)
+        raise InjectedFault(f"injected fault in stage '{stage}' at step {step}")
+
+
+class Worker(threading.Thread):
+    """Base: runs `loop()`, turns its exit into an End or a StageFailure on `events`."""
+
+    def __init__(self, name: str, events: queue.Queue, stop: threading.Event, threads: int,
+                 faults: FaultInjector):
+        super().__init__(name=name, daemon=True)   # daemon: a hung stage cannot block exit
+        self.counters = WorkerCounters(name=name)
+        self.events = events
+        self.stop = stop
+        self.threads = threads
+        self.faults = faults
+
+    def run(self) -> None:
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)   # per-thread OpenMP team size on CPU
+        try:
+            self.loop()
+            self.events.put(End(self.name))
+        except Stopped:
+            self.events.put(End(self.name))
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the supervisor
+            self.counters.errors += 1
+            self.events.put(StageFailure.capture(self.name, e))
+
+    def loop(self) -> None:
+        raise NotImplementedError
+
+
+class TargetWorker(Worker):
+    """work_q -> TargetStep -> hs_q. Passes EpochEnd on; on End re-queues it for its siblings."""
+
+    def __init__(self, name, events, stop, threads, faults, *, step_fn, work_q: BoundedQueue,
+                 hs_q: BoundedQueue, lock: threading.Lock):
+        super().__init__(name, events, stop, threads, faults)
+        self.step_fn, self.work_q, self.hs_q, self.lock = step_fn, work_q, hs_q, lock
+
+    def loop(self) -> None:
+        c = self.counters
+        while True:
+            t0 = time.perf_counter_ns()
+            item = self.work_q.get(self.stop)
+            c.wait_in_ns += time.perf_counter_ns() - t0
+            if isinstance(item, End):
+                self.work_q.put_nowait(item)    # siblings must see it too
+                self.hs_q.put(End(self.name), self.stop)
+                return
+            if isinstance(item, EpochEnd):
+                self.hs_q.put(item, self.stop)
+                continue
+            assert isinstance(item, WorkItem), type(item)
+            self.faults.check("target", c.steps, self.stop)
+            t1 = time.perf_counter_ns()
+            with self.lock:                      # the eval loop borrows the target between steps
+                hb = self.step_fn(item, c)
+            c.busy_ns += time.perf_counter_ns() - t1
+            t2 = time.perf_counter_ns()
+            self.hs_q.put(hb, self.stop)
+            c.wait_out_ns += time.perf_counter_ns() - t2
+            c.steps += 1
+            c.items += int(item.batch.sample_ids.numel())
+            c.tokens += item.batch.num_real_tokens
+            c.padded_tokens += item.batch.num_padded_tokens
+            c.beat()
+
+
+class Trainer:
+    """Drafter-side bookkeeping shared by the drafter worker and the sequential worker:
+    the step function, the training position (for exact resume), the sample ledger, and the
+    periodic checkpoint / eval hooks (run between steps by the thread that owns the drafter)."""
+
+    def __init__(self, *, step_fn, state, max_steps: int, on_step_end=None):
+        self.step_fn = step_fn
+        self.state = state                      # checkpoint.TrainState
+        if self.state.consumed is None:
+            self.state.consumed = []
+        self.max_steps = max_steps
+        self.on_step_end = on_step_end          # callable(step) for checkpoint/eval; may be None
+        self.ledger: list[tuple[int, list[int]]] = []   # (epoch, sample ids) since last drain
+
+    def consume(self, hb: HiddenBatch, counters: WorkerCounters) -> bool:
+        """Train on one HiddenBatch. Returns False when max_steps is reached."""
+        if hb.epoch != self.state.epoch:
+            # First batch of a new epoch: the previous one is complete.
+            self.state.epoch, self.state.consumed = hb.epoch, []
+        t0 = time.perf_counter_ns()
+        stepped = self.step_fn(hb, self.state.step, counters)
+        counters.busy_ns += time.perf_counter_ns() - t0
+        self.state.consumed.append(hb.seq_no)
+        self.state.micro_step += 1
+        self.state.tokens += hb.num_real_tokens
+        self.ledger.append((hb.epoch, hb.sample_ids.tolist()))   # CPU tensor: no device sync
+        counters.items += int(hb.sample_ids.numel())
+        counters.tokens += hb.num_real_tokens
+        counters.padded_tokens += int(hb.input_ids.numel())
+        counters.gauges["epoch"] = float(hb.epoch)
+        if stepped:
+            self.state.step += 1
+            counters.steps += 1
+            if self.on_step_end is not None:
+                self.on_step_end(self.state.step)
+        counters.beat()
+        return not (self.max_steps and self.state.step >= self.max_steps)
+
+
+class DrafterWorker(Worker):
+    """hs_q -> Trainer. Ends after an End from every target worker (or at max_steps)."""
+
+    def __init__(self, name, events, stop, threads, faults, *, trainer: Trainer,
+                 hs_q: BoundedQueue, num_producers: int, done: threading.Event):
+        super().__init__(name, events, stop, threads, faults)
+        self.trainer, self.hs_q, self.num_producers, self.done = trainer, hs_q, num_producers, done
+
+    def loop(self) -> None:
+        c, ends = self.counters, 0
+        while ends < self.num_producers:
+            t0 = time.perf_counter_ns()
+            item = self.hs_q.get(self.stop)
+            c.wait_in_ns += time.perf_counter_ns() - t0
+            if isinstance(item, End):
+                ends += 1
+                continue
+            if isinstance(item, EpochEnd):
+                log.info("drafter: epoch %d: all %d batches handed over", item.epoch,
+                         item.num_batches)
+                continue
+            self.faults.check("drafter", c.steps, self.stop)
+            if not self.trainer.consume(item, c):
+                break
+        self.done.set()
+
+
+class SequentialWorker(Worker):
+    """The baseline schedule: target step then drafter step in one thread, as existing
+    trainers do. Same step functions as the pipelined schedule."""
+
+    def __init__(self, name, events, stop, threads, faults, *, target_step, trainer: Trainer,
+                 work_q: BoundedQueue, done: threading.Event, lock: threading.Lock):
+        super().__init__(name, events, stop, threads, faults)
+        self.target_step, self.trainer, self.work_q = target_step, trainer, work_q
+        self.done, self.lock = done, lock
+
+    def loop(self) -> None:
+        c = self.counters
+        while True:
+            t0 = time.perf_counter_ns()
+            item = self.work_q.get(self.stop)
+            c.wait_in_ns += time.perf_counter_ns() - t0
+            if isinstance(item, End):
+                break
+            if isinstance(item, EpochEnd):
+                continue
+            self.faults.check("target", c.steps, self.stop)
+            self.faults.check("drafter", c.steps, self.stop)
+            with self.lock:
+                hb = self.target_step(item, None)
+            if not self.trainer.consume(hb, c):
+                break
+        self.done.set()

@@ -1,0 +1,69 @@
+"""AdamW with warmup + cosine, gradient clipping, and an on-device guard against non-finite steps.
+
+The guard never reads a value on the host: the fused AdamW kernel takes a `found_inf` tensor and
+skips the update (and undoes its step-count increment) on device when it is non-zero, the same
+mechanism GradScaler uses. Skip counts stay on device too and reach the host through the metrics
+ring, where the supervisor reads them without syncing the worker.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dflash_trainer.config import OptimConfig
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
+    params = [p for p in params if p.requires_grad]
+    # fused AdamW exists on CPU and CUDA and is what makes the device-side skip possible.
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, fused=True)
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    warmup = int(round(cfg.warmup_ratio * total_steps))
+
+    def fn(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+    return fn
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+
+
+class GuardedStep:
+    """clip -> check finiteness -> fused AdamW step that is a no-op on device when not finite.
+
+    Device counters: `skipped` (total) and `consecutive` (reset by a finite step).
+    """
+
+    def __init__(self, optimizer: torch.optim.AdamW, params, grad_clip: float,
+                 device: torch.device):
+        self.opt = optimizer
+        self.params = [p for p in params if p.requires_grad]
+        self.grad_clip = grad_clip
+        self.skipped = torch.zeros((), device=device)
+        self.consecutive = torch.zeros((), device=device)
+
+    def __call__(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (grad_norm, finite) as 0-d device tensors. Call after backward."""
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss.detach())
+        found_inf = (~finite).to(torch.float32)
+        # Read by the fused kernel (the GradScaler protocol); grad_scale None = no unscaling.
+        self.opt.grad_scale = None
+        self.opt.found_inf = found_inf
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.skipped += found_inf
+        self.consecutive.add_(found_inf).mul_(found_inf)
+        return grad_norm.detach(), finite

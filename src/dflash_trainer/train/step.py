@@ -1,0 +1,123 @@
+"""The two step functions every schedule shares: target forward + hand-off, and drafter update.
+
+Neither function reads a device value on the host. Scalars leave the drafter step through the
+ScalarRing (non-blocking copy + event); the monitor reads them once ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from dflash_trainer.pipeline.messages import Batch, HiddenBatch, WorkItem
+
+
+def _is_cuda(device: torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+class TargetStep:
+    """H2D -> frozen tapped forward -> features handed off to the drafter device.
+
+    Hand-off rule (ARCHITECTURE.md): on CUDA the work runs on this worker's own stream; an event is
+    recorded after the last write (including the copy to the drafter device); the consumer waits on
+    it and calls `record_stream` so the memory outlives the consumer's use. On CPU the same code
+    runs with no streams and no events.
+    """
+
+    def __init__(self, target, drafter_device: torch.device, feature_dtype: torch.dtype):
+        self.target = target
+        self.device = torch.device(target.device)
+        self.drafter_device = torch.device(drafter_device)
+        self.feature_dtype = feature_dtype
+        self.stream = torch.cuda.Stream(self.device) if _is_cuda(self.device) else None
+
+    def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
+        b: Batch = item.batch
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with ctx:
+            t0 = time.perf_counter_ns()
+            ids = b.input_ids.to(self.device, non_blocking=True)
+            attn = b.attention_mask.to(self.device, non_blocking=True)
+            t1 = time.perf_counter_ns()
+            feats = self.target.features(ids, attn)
+            t2 = time.perf_counter_ns()
+            feats = feats.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
+            ids_d = ids.to(self.drafter_device, non_blocking=True)
+            mask_d = b.loss_mask.to(self.drafter_device, non_blocking=True)
+            event = None
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            t3 = time.perf_counter_ns()
+        if counters is not None:
+            counters.add_phase("h2d", t1 - t0)
+            counters.add_phase("forward", t2 - t1)
+            counters.add_phase("handoff", t3 - t2)
+        return HiddenBatch(seq_no=item.seq_no, epoch=item.epoch, batch_id=item.batch_id,
+                           input_ids=ids_d, loss_mask=mask_d, features=feats,
+                           sample_ids=b.sample_ids, num_real_tokens=b.num_real_tokens,
+                           ready_event=event)
+
+
+class DrafterStep:
+    """Objective forward/backward, gradient accumulation, guarded optimizer step, metrics push."""
+
+    EXTRA_METRICS = ["grad_norm", "skipped_total", "consecutive_skips"]
+
+    @classmethod
+    def metric_names(cls, objective) -> list[str]:
+        return list(objective.metric_names) + cls.EXTRA_METRICS
+
+    def __init__(self, *, drafter, objective, embed_weight, lm_head, optimizer, scheduler,
+                 guard, generator: torch.Generator, device: torch.device, grad_accum: int,
+                 autocast_bf16: bool, ring):
+        self.drafter = drafter
+        self.objective = objective
+        self.embed_weight = embed_weight
+        self.lm_head = lm_head
+        self.opt = optimizer
+        self.sched = scheduler
+        self.guard = guard
+        self.generator = generator
+        self.device = torch.device(device)
+        self.grad_accum = grad_accum
+        self.autocast_bf16 = autocast_bf16
+        self.ring = ring       # ScalarRing over metric_names() (observe/scalars.py)
+        self.stream = torch.cuda.current_stream(self.device) if _is_cuda(self.device) else None
+        self.micro = 0
+
+    def __call__(self, hb: HiddenBatch, step: int, counters=None) -> bool:
+        """Consume one micro-batch. Returns True when it completed an optimizer step."""
+        if hb.ready_event is not None:
+            self.stream.wait_event(hb.ready_event)
+            for t in (hb.features, hb.input_ids, hb.loss_mask):
+                t.record_stream(self.stream)
+        t0 = time.perf_counter_ns()
+        ac = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
+              else contextlib.nullcontext())
+        with ac:
+            out = self.objective(self.drafter, self.embed_weight, self.lm_head, hb.features,
+                                 hb.input_ids, hb.loss_mask, self.generator)
+        t1 = time.perf_counter_ns()
+        (out.loss / self.grad_accum).backward()
+        t2 = time.perf_counter_ns()
+        self.micro += 1
+        stepped = self.micro % self.grad_accum == 0
+        if stepped:
+            grad_norm, _ = self.guard(out.loss)
+            self.sched.step()
+            vec = torch.cat([out.metrics.detach().float().reshape(-1),
+                             grad_norm.float().reshape(1), self.guard.skipped.reshape(1),
+                             self.guard.consecutive.reshape(1)])
+            self.ring.push(step + 1, vec)
+            if counters is not None:
+                counters.gauges["lr"] = self.sched.get_last_lr()[0]
+        t3 = time.perf_counter_ns()
+        if counters is not None:
+            counters.add_phase("drafter_fwd", t1 - t0)
+            counters.add_phase("drafter_bwd", t2 - t1)
+            counters.add_phase("drafter_opt", t3 - t2)
+        return stepped

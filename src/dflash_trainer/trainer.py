@@ -1,0 +1,310 @@
+"""`dflash-trainer train`: build target, data, drafter, optimizer and pipeline; run; checkpoint.
+
+`train(cfg, ...)` is the library entry point (the demo, benchmarks and tests call it with their own
+target or dataset); `train_command` is the CLI wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.checkpoint import (TrainState, latest_checkpoint, load_checkpoint,
+                                       save_checkpoint)
+from dflash_trainer.config import Config, to_dict
+from dflash_trainer.data.batching import plan_epoch
+from dflash_trainer.errors import UserError
+from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.export import export_drafter
+from dflash_trainer.observe.scalars import ScalarRing
+from dflash_trainer.pipeline.queues import BoundedQueue
+from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
+from dflash_trainer.pipeline.workers import (DrafterWorker, FaultInjector, SequentialWorker,
+                                             TargetWorker, Trainer)
+from dflash_trainer.train.objective import DFlashObjective
+from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
+from dflash_trainer.train.step import DrafterStep, TargetStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    reason: str
+    wall_s: float
+    tokens: int
+    export_dir: Path | None
+    checkpoint: Path | None
+    metrics: dict = field(default_factory=dict)        # last monitor snapshot
+    history: list = field(default_factory=list)        # (step, drafter metrics) from the ring
+
+
+def setup_run_logging(run_dir: Path) -> logging.Handler:
+    """Full tracebacks go to {run_dir}/train.log; the console gets one-line messages."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    h = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    h.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: "
+                                     "%(message)s"))
+    logging.getLogger().addHandler(h)
+    return h
+
+
+def thread_split(cfg: Config) -> tuple[int, int]:
+    """(target threads per worker, drafter threads) for CPU stages."""
+    total = cfg.pipeline.cpu_threads or os.cpu_count() or 1
+    if cfg.pipeline.schedule == "sequential":
+        return total, total
+    t = max(1, round(total * cfg.pipeline.target_thread_share))
+    return t, max(1, total - t)
+
+
+def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[int, list[int]]:
+    per_epoch = [len(plan_epoch(lengths, cfg.batching, e, rank, world))
+                 for e in range(cfg.optim.epochs)]
+    total = sum(per_epoch) // cfg.optim.grad_accum
+    if cfg.optim.max_steps:
+        total = min(total, cfg.optim.max_steps)
+    return total, per_epoch
+
+
+def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
+    dcfg = DFlashConfig.from_configs(cfg.drafter, target)
+    torch.manual_seed(cfg.pipeline.seed)
+    return DFlashDrafter(dcfg).to(device)
+
+
+def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int = 0,
+          world_size: int = 1, ddp_wrap=None, monitor=None) -> TrainResult:
+    from dflash_trainer.data.prefetcher import BatchPrefetcher
+    from dflash_trainer.observe.monitor import Monitor
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.pipeline.seed)
+    p = cfg.pipeline
+    drafter_device = torch.device(p.drafter_device)
+    if target is None:
+        from dflash_trainer.models.target import TargetModel
+        target = TargetModel.load(cfg.target, p.target_devices[0])
+    if train_set is None:
+        from dflash_trainer.data.prepare import prepare_data
+        train_set, heldout = prepare_data(cfg, target.tokenizer)
+    if len(train_set) == 0:
+        raise UserError("no training examples left after filtering; check data.sources and "
+                        "data.max_length")
+
+    drafter = build_drafter(cfg, target, drafter_device)
+    model = ddp_wrap(drafter) if ddp_wrap is not None else drafter
+    autocast = p.precision == "bf16" or (p.precision == "auto" and drafter_device.type == "cuda")
+    feature_dtype = (torch.bfloat16 if drafter_device.type == "cuda"
+                     else next(drafter.parameters()).dtype)
+    objective = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors,
+                                cfg.drafter.gamma, drafter.cfg.mask_token_id,
+                                cfg.drafter.loss_chunk_blocks)
+    optimizer = build_optimizer(drafter.parameters(), cfg.optim)
+    total_steps, per_epoch = count_steps(train_set.lengths, cfg, rank, world_size)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    guard = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, drafter_device)
+    generator = torch.Generator(device=drafter_device)
+    generator.manual_seed(cfg.pipeline.seed * 1000003 + rank)
+    config_dict = to_dict(cfg)
+
+    state = TrainState(consumed=[])
+    if cfg.checkpoint.resume:
+        ck = latest_checkpoint(run_dir)
+        if ck is not None:
+            state = load_checkpoint(ck, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                                    generator=generator, config=config_dict)
+            log.info("resumed from %s at step %d (epoch %d, %d batches of it done)", ck,
+                     state.step, state.epoch, len(state.consumed))
+    start_steps = state.step
+
+    embed_weight = target.embed_weight.to(drafter_device)
+    lm_head = target.lm_head
+    if drafter_device != torch.device(target.device):
+        import copy
+        lm_head = copy.deepcopy(target.lm_head).to(drafter_device)
+    ring = ScalarRing(DrafterStep.metric_names(objective), capacity=256, device=drafter_device)
+    drafter_step = DrafterStep(drafter=model, objective=objective, embed_weight=embed_weight,
+                               lm_head=lm_head, optimizer=optimizer, scheduler=scheduler,
+                               guard=guard, generator=generator, device=drafter_device,
+                               grad_accum=cfg.optim.grad_accum, autocast_bf16=autocast, ring=ring)
+
+    def export_fn(out_dir):
+        export_drafter(drafter, out_dir)
+
+    last_ckpt: list[Path] = []
+    ledger_path = run_dir / "ledger.jsonl"
+
+    def write_ledger(trainer: Trainer) -> None:
+        entries, trainer.ledger = trainer.ledger, []
+        if entries and rank == 0:
+            with open(ledger_path, "a", encoding="utf-8") as f:
+                for epoch, ids in entries:
+                    f.write(json.dumps({"epoch": epoch, "samples": ids}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def checkpoint_now(trainer: Trainer) -> Path | None:
+        if rank != 0:
+            return None
+        path = save_checkpoint(run_dir, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                               generator=generator, state=trainer.state, config=config_dict,
+                               keep_last=cfg.checkpoint.keep_last, export_fn=export_fn)
+        write_ledger(trainer)   # after the checkpoint: the ledger never runs ahead of it
+        last_ckpt.append(path)
+        if mon is not None:
+            mon.log_event({"event/checkpoint_step": trainer.state.step}, trainer.state.step)
+        return path
+
+    def on_step_end(step: int) -> None:
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+            checkpoint_now(trainer)
+
+    trainer = Trainer(step_fn=drafter_step, state=state, max_steps=total_steps)
+    trainer.on_step_end = on_step_end
+
+    # ---- threads
+    events: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    done = threading.Event()
+    faults = FaultInjector(p.fault)
+    target_lock = threading.Lock()
+    work_q = BoundedQueue("work", p.work_queue_size, p.timeout_s)
+    t_threads, d_threads = thread_split(cfg)
+    remaining_epochs = cfg.optim.epochs
+    prefetcher = BatchPrefetcher(
+        train_set, cfg.batching, work_q, stop, events, epochs=remaining_epochs, rank=rank,
+        world_size=world_size, pin_memory=any(d.startswith("cuda") for d in p.target_devices),
+        start=(state.epoch, sorted(state.consumed)))
+    prefetcher.faults = faults
+    target_step = TargetStep(target, drafter_device, feature_dtype)
+    threads: list[threading.Thread] = [prefetcher]
+    queues = [work_q]
+    if p.schedule == "pipelined":
+        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.timeout_s)
+        queues.append(hs_q)
+        targets = [target] if len(p.target_devices) == 1 else _replicate_target(cfg, target)
+        for i, tgt in enumerate(targets):
+            step_fn = target_step if tgt is target else TargetStep(tgt, drafter_device,
+                                                                   feature_dtype)
+            threads.append(TargetWorker(f"target{i}", events, stop, t_threads, faults,
+                                        step_fn=step_fn, work_q=work_q, hs_q=hs_q,
+                                        lock=target_lock))
+        threads.append(DrafterWorker("drafter0", events, stop, d_threads, faults,
+                                     trainer=trainer, hs_q=hs_q, num_producers=len(targets),
+                                     done=done))
+    else:
+        threads.append(SequentialWorker("sequential0", events, stop, t_threads, faults,
+                                        target_step=target_step, trainer=trainer, work_q=work_q,
+                                        done=done, lock=target_lock))
+
+    workers = [getattr(t, "counters") for t in threads]
+    mon = monitor
+    if mon is None:
+        mon = Monitor(cfg.metrics, run_dir if rank == 0 else None, config_dict=config_dict,
+                      workers=workers, queues=queues,
+                      composition=getattr(prefetcher, "composition", None),
+                      rings={"drafter": ring},
+                      devices=sorted({torch.device(d) for d in p.target_devices}
+                                     | {drafter_device}, key=str),
+                      flops=None, rank=rank)
+    history: list = []
+    bar = _progress_bar(cfg, total_steps, start_steps)
+
+    def on_tick():
+        if bar is not None:
+            c = trainer.state
+            bar.n = c.step
+            snap = mon.latest()
+            bar.set_postfix_str(_postfix(snap), refresh=False)
+            bar.refresh()
+
+    signals = SignalGuard()
+    sup = Supervisor(threads=threads, events=events, stop=stop, done=done, monitor=mon,
+                     tick_s=cfg.metrics.tick_s, deadline_s=p.shutdown_deadline_s,
+                     stall_timeout_s=p.stall_timeout_s,
+                     max_consecutive_skips=cfg.optim.max_consecutive_skips, on_tick=on_tick,
+                     signals=signals)
+    t0 = time.monotonic()
+    outcome = None
+    try:
+        with signals:
+            if start_steps >= total_steps:
+                log.info("already at step %d of %d: nothing to train", start_steps, total_steps)
+                outcome_reason = "finished"
+            else:
+                outcome = sup.run()
+                outcome_reason = outcome.reason
+        # The drafter thread has stopped: its state is consistent. Checkpoint + export.
+        ck = checkpoint_now(trainer)
+        export_dir = None
+        if rank == 0:
+            export_dir = run_dir / "export"
+            tmp = run_dir / "export.tmp"
+            export_drafter(drafter, tmp)
+            if export_dir.exists():
+                import shutil
+                shutil.rmtree(export_dir)
+            os.replace(tmp, export_dir)
+    finally:
+        if bar is not None:
+            bar.close()
+        mon.tick()
+        history = list(getattr(mon, "history", []))
+        final_metrics = dict(mon.latest())
+        if monitor is None:
+            mon.close()
+    return TrainResult(run_dir=run_dir, steps=trainer.state.step, reason=outcome_reason,
+                       wall_s=time.monotonic() - t0, tokens=trainer.state.tokens,
+                       export_dir=export_dir, checkpoint=ck, metrics=final_metrics,
+                       history=history)
+
+
+def _replicate_target(cfg: Config, first):
+    from dflash_trainer.models.target import TargetModel
+    out = [first]
+    for dev in cfg.pipeline.target_devices[1:]:
+        out.append(TargetModel.load(cfg.target, dev))
+    return out
+
+
+def _postfix(snap: dict) -> str:
+    parts = []
+    for key, label, fmt in (("drafter/loss", "loss", "{:.3f}"),
+                            ("drafter/accept_len", "acc_len", "{:.2f}"),
+                            ("tput/drafter_tok_s", "tok/s", "{:.0f}")):
+        if key in snap:
+            parts.append(f"{label}={fmt.format(snap[key])}")
+    return " ".join(parts)
+
+
+def _progress_bar(cfg: Config, total: int, start: int):
+    if not cfg.metrics.console:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def train_command(cfg: Config, args) -> int:
+    if getattr(args, "nproc", 0) and args.nproc > 1:
+        raise UserError("--nproc needs the distributed launcher (not available in this build); "
+                        "run `torchrun --nproc-per-node N -m dflash_trainer train ...`.")
+    handler = setup_run_logging(Path(cfg.run_dir))
+    try:
+        result = train(cfg)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.reason}); "
+          f"export: {result.export_dir}; checkpoint: {result.checkpoint}")
+    return 0

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny local tokenizers with real chat templates (no model hub)."""
+
+from __future__ import annotations
+
+import pytest
+
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+# SmolLM2/Qwen-style ChatML, with SmolLM2's default system prompt when none is given.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+WORDS = ("system user assistant You are a helpful Hello Hi there How is it going Fine thanks "
+         "Tell me joke no Bye see you what 2 + 3 5 ? ! . , 0 1 4 6 7 8 9 long text word").split()
+
+
+def word_tokenizer(specials: list[str], template: str | None, bos: str | None = None):
+    """WordLevel tokenizer: words, single punctuation and whitespace runs are tokens."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {}
+    for w in ["[UNK]", *specials, " ", "\n", "\n\n", *WORDS]:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s+|\w+|[^\w\s]"), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token=bos,
+                                   pad_token=specials[0])
+    fast.add_special_tokens({"additional_special_tokens": specials})
+    fast.chat_template = template
+    return fast
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer():
+    return word_tokenizer(CHATML_SPECIALS, CHATML_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer():
+    return word_tokenizer(LLAMA3_SPECIALS, LLAMA3_TEMPLATE, bos="<|begin_of_text|>")

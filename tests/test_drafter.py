@@ -1,0 +1,171 @@
+"""DFlash drafter: names, init, training forward vs a per-block inference loop, isolation, cache."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter, resolve_mask_token_id
+from dflash_trainer.models.export import expected_names
+
+H, NF, BS = 32, 3, 4
+
+
+def tiny_cfg(**kw) -> DFlashConfig:
+    base = dict(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                intermediate_size=48, block_size=BS, target_layer_ids=[1, 3, 5],
+                num_target_layers=8, mask_token_id=127, vocab_size=128, rope_theta=10000.0,
+                init_std=0.1, attention="split")
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    return DFlashDrafter(tiny_cfg(**kw))
+
+
+def _batch(S=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.tensor([[0, 2, 3, 7, 9], [1, 4, 6, 0, 0]])
+    valid = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]]).bool()
+    N = anchors.shape[1]
+    emb = torch.randn(2, N * BS, H, generator=g)
+    feats = torch.randn(2, S, NF * H, generator=g)
+    return emb, feats, anchors, valid
+
+
+def test_param_names_match_published_layout():
+    m = make()
+    sd = m.state_dict()
+    assert sorted(sd) == sorted(expected_names(2))
+    assert len(sd) == 3 + 11 * 2
+    assert sd["fc.weight"].shape == (H, NF * H)
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (4 * 8, H)
+    assert sd["layers.0.self_attn.k_proj.weight"].shape == (2 * 8, H)
+    assert sd["layers.0.self_attn.q_norm.weight"].shape == (8,)
+    assert sd["layers.1.mlp.down_proj.weight"].shape == (H, 48)
+
+
+def test_init_norms_one_linears_std():
+    m = make(num_layers=1, init_std=0.02)
+    for n, p in m.named_parameters():
+        if n.endswith("norm.weight") or "layernorm" in n:
+            assert torch.equal(p, torch.ones_like(p)), n
+        else:
+            assert abs(p.std().item() - 0.02) < 0.004, n
+
+
+def test_training_forward_equals_per_block_inference_loop():
+    """Each valid block of the batched training pass == a fresh-cache forward_infer of that block
+    alone on the context strictly before its anchor (an independent, mask-free reference)."""
+    m = make()
+    emb, feats, anchors, valid = _batch()
+    out = m(emb, feats, anchors, valid)
+    assert out.shape == emb.shape
+    for b in range(2):
+        for j in range(anchors.shape[1]):
+            if not valid[b, j]:
+                continue
+            a = int(anchors[b, j])
+            blk = emb[b:b + 1, j * BS:(j + 1) * BS]
+            ref = m.forward_infer(blk, feats[b:b + 1, :a], m.new_cache(), start=a)
+            torch.testing.assert_close(out[b:b + 1, j * BS:(j + 1) * BS], ref)
+
+
+@pytest.mark.parametrize("impl", ["dense", "split"])
+def test_impls_agree_in_drafter(impl):
+    m = make()
+    emb, feats, anchors, valid = _batch()
+    ref = m(emb, feats, anchors, valid, attention="dense")
+    out = m(emb, feats, anchors, valid, attention=impl)
+    keep = valid.repeat_interleave(BS, dim=1)[..., None]
+    torch.testing.assert_close(out * keep, ref * keep)
+    assert torch.isfinite(out).all()
+
+
+def test_block_isolation_from_other_blocks_and_future_context():
+    m = make()
+    emb, feats, anchors, valid = _batch()
+    base = m(emb, feats, anchors, valid)
+    b, j = 0, 2                                    # anchor 3, overlapping neighbours (spacing < bs)
+    a, sl = int(anchors[b, j]), slice(j * BS, (j + 1) * BS)
+    emb2, feats2 = emb.clone(), feats.clone()
+    mask = torch.ones(emb.shape[1], dtype=torch.bool)
+    mask[sl] = False
+    emb2[b, mask] = torch.randn_like(emb2[b, mask])        # every other block's tokens
+    feats2[b, a:] = torch.randn_like(feats2[b, a:])        # context at and after the anchor
+    out = m(emb2, feats2, anchors, valid)
+    torch.testing.assert_close(out[b, sl], base[b, sl])
+    feats3 = feats.clone()
+    feats3[b, a - 1] += 1.0                                # strictly before: must matter
+    assert (m(emb, feats3, anchors, valid)[b, sl] - base[b, sl]).abs().max() > 1e-4
+
+
+def test_padded_rows_finite_with_grads():
+    m = make()
+    emb, feats, anchors, valid = _batch()
+    valid = valid.clone()
+    valid[1] = False
+    out = m(emb, feats, anchors, valid)
+    out.square().mean().backward()
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_cache_incremental_and_crop():
+    m = make()
+    _, feats, _, _ = _batch(S=10)
+    f = feats[:1]
+    blk = torch.randn(1, BS, H)
+    one = m.forward_infer(blk, f, m.new_cache(), start=10)
+    c = m.new_cache()
+    m.forward_infer(torch.randn(1, BS, H), f[:, :6], c, start=6)    # a draft at 6
+    assert c.length == 6                                              # block K/V not kept
+    two = m.forward_infer(blk, f[:, 6:], c, start=10)
+    assert c.length == 10
+    torch.testing.assert_close(two, one)
+    c.crop(6)                                                         # reject: back to 6
+    assert c.length == 6
+    three = m.forward_infer(blk, f[:, 6:], c, start=10)
+    torch.testing.assert_close(three, one)
+
+
+def test_bf16_autocast_forward_backward():
+    m = make()
+    emb, feats, anchors, valid = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(emb, feats, anchors, valid)
+    ref = m(emb, feats, anchors, valid)
+    out.float().sum().backward()
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)
+
+
+def _fake_target(rope):
+    cfg = SimpleNamespace(max_position_embeddings=2048, **rope)
+    return SimpleNamespace(hidden_size=H, num_layers=8, layer_ids=[1, 3, 5], vocab_size=128,
+                           model=SimpleNamespace(config=cfg), tokenizer=list(range(120)))
+
+
+def test_from_configs_reads_target_and_rope_parameters():
+    from dflash_trainer.config import DrafterConfig
+    dc = DrafterConfig(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                       intermediate_size=48, block_size=BS)
+    cfg = DFlashConfig.from_configs(dc, _fake_target({"rope_parameters": {"rope_theta": 5e5}}))
+    assert cfg.rope_theta == 5e5 and cfg.hidden_size == H and cfg.num_features == 3
+    assert cfg.mask_token_id == 120                       # first padded embedding row
+    assert cfg.max_position_embeddings == 2048
+    cfg = DFlashConfig.from_configs(dc, _fake_target({"rope_theta": 1e4}))
+    assert cfg.rope_theta == 1e4
+    dc.rope_theta = 123.0
+    assert DFlashConfig.from_configs(dc, _fake_target({"rope_theta": 1e4})).rope_theta == 123.0
+
+
+def test_mask_token_rules():
+    t = SimpleNamespace(vocab_size=128, tokenizer=list(range(128)))
+    assert resolve_mask_token_id(-1, t) == 0              # no padded row
+    assert resolve_mask_token_id(5, t) == 5
+    from dflash_trainer.errors import UserError
+    with pytest.raises(UserError, match="mask_token_id"):
+        resolve_mask_token_id(128, t)

