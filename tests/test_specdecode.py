@@ -20,6 +20,15 @@ V, H = 128, 64
 LAYER_IDS = [0, 2]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: one thread is faster, and the machine is shared.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_target(kind: str = "llama", seed: int = 0, layers: int = 4) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -79,7 +88,7 @@ class OracleDrafter:
         c = new_features.shape[1]
         if self.ref is not None:
             torch.testing.assert_close(new_features, self.ref[:, cache.length:cache.length + c],
-                                       atol=1e-4, rtol=1e-4)
+                                       atol=1e-3, rtol=1e-3)  # values ~50
         cache.length += c
         assert cache.length == start
         q = block_embeds.shape[1]
@@ -111,12 +120,11 @@ def test_position_noise_is_keyed_and_samples_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
     probs = torch.softmax(logits / 0.7, -1)[0]
     # same (seed, position) -> same token; the empirical law over positions matches softmax(l/T)
-    a = [int(choose_tokens(logits, [t], 0.7, 1.0, seed=5)) for t in range(4000)]
-    b = [int(choose_tokens(logits, [t], 0.7, 1.0, seed=5)) for t in range(4000)]
-    assert a == b
+    a = choose_tokens(logits.expand(4000, 5), range(4000), 0.7, 1.0, seed=5).tolist()
+    assert a[:50] == [int(choose_tokens(logits, [t], 0.7, 1.0, seed=5)) for t in range(50)]
     freq = torch.bincount(torch.tensor(a), minlength=5).float() / len(a)
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
-    c = [int(choose_tokens(logits, [t], 0.7, 1.0, seed=6)) for t in range(200)]
+    c = choose_tokens(logits.expand(200, 5), range(200), 0.7, 1.0, seed=6).tolist()
     assert c != a[:200]
     # a batch of positions equals the per-position calls
     many = choose_tokens(logits.expand(6, 5), range(10, 16), 0.7, 1.0, seed=5).tolist()
@@ -136,6 +144,7 @@ def test_hash_never_overflows_int64():
     y = sd._hash32(x)
     assert bool((y >= 0).all()) and bool((y < 2**32).all())
     assert sd._mul32(torch.tensor([2**32 - 1]), 0xFFFFFFFF).item() == ((2**32 - 1) ** 2) % 2**32
+    assert y.tolist() == [sd._hash32_int(int(v)) for v in x]  # tensor and Python forms agree
 
 
 # ---------------------------------------------------------------------------------- lossless
@@ -145,8 +154,8 @@ def test_greedy_spec_equals_ar_and_hf_generate(kind):
     model = tiny_target(kind)
     t = side(model)
     g = torch.Generator().manual_seed(1)
-    n = 24
-    for trial in range(6):
+    n = 20
+    for trial in range(4):
         ids = random_prompt(g)
         ar = ar_generate(model, ids, n)
         with torch.no_grad():
@@ -361,37 +370,137 @@ def test_real_drafter_random_init_lossless(kind):
             assert 1.0 <= res.tau <= bs
 
 
-def _reference_run(tmp_path, model, drafter, ids, n, bs, stop, monkeypatch):
-    export = pytest.importorskip("dflash_trainer.models.export")
-    ref = pytest.importorskip("dflash.model")
-    import time
+def _trained_drafter(model, prompts, block_size=8, steps=400):
+    """Overfit a real drafter on the target's own greedy continuations of `prompts` (a few
+    seconds), so the reference comparison sees a mix of accepted and rejected drafts."""
+    import torch.nn.functional as F
 
-    out = export.export_drafter(drafter, tmp_path / "export")
-    ref_model = ref.DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32).eval()
-    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
-    return ref.dflash_generate(ref_model, model, ids, n, stop, block_size=bs, return_stats=True)
+    drafter = _real_drafter(model, block_size=block_size, seed=1).train()
+    seqs = []
+    for ids in prompts:
+        s = torch.cat([ids, torch.tensor([ar_generate(model, ids, 24).tokens])], 1)
+        seqs.append((s, full_taps(model, s), ids.shape[1]))
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        s, f, p_len = seqs[step % len(seqs)]
+        p = int(torch.randint(p_len - 1, s.shape[1] - block_size, (1,), generator=g))
+        blk = torch.full((1, block_size), V - 1)
+        blk[0, 0] = s[0, p]
+        h = drafter.forward_infer(F.embedding(blk, emb), f[:, :p], drafter.new_cache(), p)
+        loss = F.cross_entropy(head(h[0, 1:]), s[0, p + 1:p + block_size])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_matches_reference_dflash_generate(kind, tmp_path, monkeypatch):
-    """Same drafter (exported, loaded by the reference package), same target: identical tokens
-    and acceptance lengths. The drafter is made agreeable by copying the target's own last layers
-    would be overkill: instead random init with a large std gives a mix of accepts/rejects."""
+    """The same drafter, exported and loaded by the reference package, on the same target:
+    identical tokens and per-cycle acceptance lengths (so tau agrees), greedy, fp32."""
+    export = pytest.importorskip("dflash_trainer.models.export")
+    ref = pytest.importorskip("dflash.model")
+    import time
+
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # return_stats syncs CUDA otherwise
     model = tiny_target(kind, seed=6)
-    drafter = _real_drafter(model, block_size=8, seed=1)
-    t = side(model)
     g = torch.Generator().manual_seed(12)
+    prompts = [random_prompt(g) for _ in range(4)]
+    drafter = _trained_drafter(model, prompts)
+    ref_model = ref.DFlashDraftModel.from_pretrained(
+        str(export.export_drafter(drafter, tmp_path / "export")), dtype=torch.float32).eval()
+    t = side(model)
     ours_all, ref_all = [], []
-    for i in range(4):
-        ids = random_prompt(g)
+    for i, ids in enumerate(prompts):
         for bs in (4, 8):
             stop = [int(torch.randint(1, V, (1,), generator=g))] if i % 2 else None
-            ref = _reference_run(tmp_path / f"{i}-{bs}", model, drafter, ids, 20, bs, stop,
-                                 monkeypatch)
+            r = ref.dflash_generate(ref_model, model, ids, 20, stop, block_size=bs,
+                                    return_stats=True)
             ours = spec_generate(model, t.layer_ids, t.embed_weight, t.lm_head, drafter, ids, 20,
                                  bs, stop_ids=stop or ())
-            assert ours.tokens == ref.output_ids[0, ids.shape[1]:].tolist()
-            assert ours.acceptance_lengths == list(map(int, ref.acceptance_lengths))
-            ours_all.append(ours.tau)
-            ref_all.append(sum(map(int, ref.acceptance_lengths)) / max(1, len(ref.acceptance_lengths)))
-    assert sum(ours_all) == pytest.approx(sum(ref_all), rel=0.02)
+            assert ours.tokens == r.output_ids[0, ids.shape[1]:].tolist()
+            assert ours.acceptance_lengths == [int(x) for x in r.acceptance_lengths]
+            ours_all.append(ours)
+            ref_all.append(GenResult(tokens=[], acceptance_lengths=[int(x) for x in r.acceptance_lengths],
+                                     accepted_drafts=[], block_sizes=[]))
+    ours_tau, ref_tau = summarize(ours_all, None, 8).tau, summarize(ref_all, None, 8).tau
+    assert ours_tau == pytest.approx(ref_tau, rel=0.02)
+    assert ours_tau > 1.2  # the comparison covered real acceptances, not only rejections
+
+
+# ------------------------------------------------------------------------------ eval command
+
+class FakeTokenizer:
+    """Chat template + char-level ids; enough for the eval command's plumbing."""
+
+    eos_token_id = None
+
+    def __len__(self):
+        return V
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, enable_thinking):
+        assert not tokenize and add_generation_prompt
+        return "".join(f"<{m['role'][0]}>{m['content']}" for m in messages) + "<a>"
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [1 + ord(c) % (V - 2) for c in text][-48:]}
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_load_prompt_file_errors(tmp_path):
+    from dflash_trainer.errors import UserError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+                 '{"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "x"}]}\n'
+                 '\n{"id": "c", "messages": [{"role": "robot", "content": "hi"}]}\n')
+    with pytest.raises(UserError, match=r"p\.jsonl:4: expected"):
+        sd.load_prompt_file(f)
+    f.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{bad\n')
+    with pytest.raises(UserError, match=r"p\.jsonl:2: invalid JSON"):
+        sd.load_prompt_file(f)
+    f.write_text('{"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "x"}]}\n')
+    assert sd.load_prompt_file(f) == [("p.jsonl:1", [{"role": "user", "content": "yo"},
+                                                      {"role": "assistant", "content": "x"}])]
+    with pytest.raises(UserError, match="does not exist"):
+        sd.load_prompt_file(tmp_path / "missing.jsonl")
+
+
+def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
+    export = pytest.importorskip("dflash_trainer.models.export")
+    target_mod = pytest.importorskip("dflash_trainer.models.target")
+    from dflash_trainer.config import load_config
+
+    model = tiny_target("qwen3", seed=8)
+    drafter = _real_drafter(model, block_size=8)
+    export.export_drafter(drafter, tmp_path / "run" / "export")
+    tm = target_mod.TargetModel.from_hf(model, FakeTokenizer(), list(LAYER_IDS))
+    monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d: tm))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"id": "x", "messages": [{"role": "system", "content": "be brief"},
+                                            {"role": "user", "content": "hello"},
+                                            {"role": "assistant", "content": "old answer"},
+                                            {"role": "user", "content": "more"}]}) + "\n"
+        + json.dumps({"id": "y", "messages": [{"role": "user", "content": "write code"}]}) + "\n")
+    cfg = load_config(None, None, [f"--run_dir={tmp_path / 'run'}", "--eval.max_new_tokens=12",
+                                   "--eval.block_size=4", f"--eval.heldout_path={prompts}"])
+    cfg.eval.datasets = ["heldout", str(prompts)]
+    args = SimpleNamespace(drafter_path=None, output=None)
+    assert sd.eval_command(cfg, args) == 0
+    out = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert set(out["datasets"]) == {"heldout", str(prompts)}
+    d = out["datasets"]["heldout"]
+    assert d["num_responses"] == 3          # two user turns + one
+    assert d["block_size"] == 4 and d["lossless"] is True and d["speedup"] > 0
+    assert 1.0 <= d["tau"] <= 4.0 and len(d["position_acceptance"]) == 3
+    assert "heldout" in capsys.readouterr().out
+    # a drafter for other taps is refused with a fix
+    from dflash_trainer.errors import UserError
+    tm.layer_ids = [1, 3]
+    with pytest.raises(UserError, match="target layers"):
+        sd.eval_command(cfg, args)

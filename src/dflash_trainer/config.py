@@ -73,6 +73,9 @@ class BatchingConfig:
     num_buckets: int = _f(8, "length buckets (quantiles of the length distribution)", min=1,
                           max=256)
     seed: int = _f(0, "seed of the shuffle and bucket interleaving (per epoch and rank)")
+    sort_window: int = _f(1024, "within a bucket, shuffled samples are sorted by length in windows "
+                          "of this many before cutting batches (larger = less padding, less "
+                          "randomness; 0 = whole bucket)", unit="seqs", min=0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -148,7 +151,8 @@ class PipelineConfig:
     seed: int = _f(0, "seed of anchors, init and everything random")
     precision: str = _f("auto", "drafter compute: auto = bf16 autocast on CUDA, fp32 on CPU",
                         choices=("auto", "fp32", "bf16"))
-    fault: str = _f("", "test hook: 'STAGE:STEP[:hang]' raises (or hangs) in STAGE at STEP")
+    fault: str = _f("", "test hook: 'STAGE:STEP[:hang|sigterm]' raises (or hangs, or sends "
+                    "SIGTERM) in STAGE (prefetch/target/drafter) at its step STEP")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,6 +174,10 @@ class MetricsConfig:
     console: bool = _f(True, "progress bar and one-line summaries on the console")
     peak_tflops: float = _f(0.0, "per-device peak for MFU; 0 = table lookup / measured",
                             unit="TFLOP/s", min=0.0)
+    wandb_init_timeout_s: float = _f(30.0, "online W&B init timeout before falling back to offline",
+                                     unit="s", min=1.0)
+    wandb_finish_timeout_s: float = _f(30.0, "max wait for W&B to finish (upload) at exit",
+                                       unit="s", min=0.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -182,6 +190,10 @@ class EvalConfig:
                          min=0)
     temperature: float = _f(0.0, "0 = greedy; >0 samples with the exact-match rule", min=0.0)
     datasets: list[str] = _f(["heldout"], "prompt sets: heldout, mt-bench, humaneval, or a file")
+    top_p: float = _f(1.0, "nucleus sampling mass when temperature > 0", min=0.01, max=1.0)
+    heldout_path: str = _f("", "JSONL of {id, messages} for 'heldout' ('' = RUN_DIR/heldout.jsonl,"
+                           " else mt-bench)")
+    seed: int = _f(0, "sampling seed (temperature > 0)", min=0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -357,7 +369,7 @@ def validate(cfg: Config) -> Config:
     if cfg.pipeline.fault and cfg.pipeline.fault.split(":")[0] not in {
             "prefetch", "target", "drafter", "monitor"}:
         raise ConfigError(f"pipeline.fault: stage must be prefetch/target/drafter/monitor, got "
-                          f"{cfg.pipeline.fault!r} (format STAGE:STEP[:hang]).")
+                          f"{cfg.pipeline.fault!r} (format STAGE:STEP[:hang|sigterm]).")
     return cfg
 
 

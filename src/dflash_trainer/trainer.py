@@ -36,6 +36,27 @@ from dflash_trainer.train.step import DrafterStep, TargetStep
 log = logging.getLogger(__name__)
 
 
+class RecordingRing:
+    """The drafter's ScalarRing as the monitor sees it: drains also feed the run's history and
+    the latest values the supervisor checks (e.g. consecutive skipped steps)."""
+
+    def __init__(self, ring: ScalarRing):
+        self.ring = ring
+        self.history: list[tuple[int, dict]] = []
+        self.last: dict[str, float] = {}
+
+    @property
+    def dropped(self) -> int:
+        return self.ring.dropped
+
+    def drain(self, limit=None):
+        out = self.ring.drain(limit)
+        self.history.extend(out)
+        for _, values in out:
+            self.last.update(values)
+        return out
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -109,7 +130,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     feature_dtype = (torch.bfloat16 if drafter_device.type == "cuda"
                      else next(drafter.parameters()).dtype)
     objective = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors,
-                                cfg.drafter.gamma, drafter.cfg.mask_token_id,
+                                cfg.drafter.gamma, drafter.config.mask_token_id,
                                 cfg.drafter.loss_chunk_blocks)
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     total_steps, per_epoch = count_steps(train_set.lengths, cfg, rank, world_size)
@@ -135,6 +156,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         import copy
         lm_head = copy.deepcopy(target.lm_head).to(drafter_device)
     ring = ScalarRing(DrafterStep.metric_names(objective), capacity=256, device=drafter_device)
+    recorder = RecordingRing(ring)
     drafter_step = DrafterStep(drafter=model, objective=objective, embed_weight=embed_weight,
                                lm_head=lm_head, optimizer=optimizer, scheduler=scheduler,
                                guard=guard, generator=generator, device=drafter_device,
@@ -186,7 +208,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     prefetcher = BatchPrefetcher(
         train_set, cfg.batching, work_q, stop, events, epochs=remaining_epochs, rank=rank,
         world_size=world_size, pin_memory=any(d.startswith("cuda") for d in p.target_devices),
-        start=(state.epoch, sorted(state.consumed)))
+        start=(state.epoch, _contiguous_prefix(state.consumed)))
     prefetcher.faults = faults
     target_step = TargetStep(target, drafter_device, feature_dtype)
     threads: list[threading.Thread] = [prefetcher]
@@ -215,11 +237,10 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         mon = Monitor(cfg.metrics, run_dir if rank == 0 else None, config_dict=config_dict,
                       workers=workers, queues=queues,
                       composition=getattr(prefetcher, "composition", None),
-                      rings={"drafter": ring},
+                      rings={"drafter": recorder},
                       devices=sorted({torch.device(d) for d in p.target_devices}
                                      | {drafter_device}, key=str),
                       flops=None, rank=rank)
-    history: list = []
     bar = _progress_bar(cfg, total_steps, start_steps)
 
     def on_tick():
@@ -234,7 +255,9 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     sup = Supervisor(threads=threads, events=events, stop=stop, done=done, monitor=mon,
                      tick_s=cfg.metrics.tick_s, deadline_s=p.shutdown_deadline_s,
                      stall_timeout_s=p.stall_timeout_s,
-                     max_consecutive_skips=cfg.optim.max_consecutive_skips, on_tick=on_tick,
+                     max_consecutive_skips=cfg.optim.max_consecutive_skips,
+                     consecutive_skips=lambda: recorder.last.get("consecutive_skips", 0.0),
+                     on_tick=on_tick,
                      signals=signals)
     t0 = time.monotonic()
     outcome = None
@@ -261,7 +284,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         if bar is not None:
             bar.close()
         mon.tick()
-        history = list(getattr(mon, "history", []))
+        history = list(recorder.history)
         final_metrics = dict(mon.latest())
         if monitor is None:
             mon.close()
@@ -269,6 +292,19 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                        wall_s=time.monotonic() - t0, tokens=trainer.state.tokens,
                        export_dir=export_dir, checkpoint=ck, metrics=final_metrics,
                        history=history)
+
+
+def _contiguous_prefix(consumed) -> int:
+    """Resume point inside an epoch: the batches 0..k-1 are done. With one target worker the
+    drafter consumes in order, so `consumed` is exactly that prefix."""
+    done = set(consumed or [])
+    k = 0
+    while k in done:
+        k += 1
+    if len(done) != k:
+        raise UserError(f"checkpoint position is not a prefix of the epoch (batches {sorted(done)[:8]}"
+                        "...); resume with the same pipeline.target_devices it was written with.")
+    return k
 
 
 def _replicate_target(cfg: Config, first):

@@ -4,7 +4,7 @@
       per epoch, rng = (seed, epoch):
         per bucket: shuffle -> cut into windows of `sort_window` samples -> sort each window by
                     length -> greedy token-budget batches (rows x padded length <= max_tokens,
-                    rows <= max_batch_size, padded length = ceil(max_len / pad_multiple) * pad_multiple)
+                    rows <= max_batch_size, padded length = max_len rounded up to pad_multiple)
         interleave: batch j of a bucket with n batches gets the key (j + U(0,1)) / n; all batches
                     sorted by key. Every bucket is spread evenly over the epoch (stratified), so the
                     stream never sweeps short -> long and a window of 64 batches sees every bucket.
@@ -95,8 +95,8 @@ def plan_epoch_detailed(lengths, cfg, epoch: int, rank: int = 0,
     longest = int(_round_up(lengths.max(), cfg.pad_multiple))
     if longest > cfg.max_tokens:
         raise UserError(f"batching.max_tokens ({cfg.max_tokens}) is smaller than the longest "
-                        f"sequence ({longest} tokens after padding to batching.pad_multiple); raise "
-                        "batching.max_tokens or lower data.max_length.")
+                        f"sequence ({longest} tokens after padding to batching.pad_multiple); "
+                        "raise batching.max_tokens or lower data.max_length.")
     edges = bucket_edges(lengths, cfg)
     num_buckets = len(edges) + 1
     bucket_of = assign_buckets(lengths, edges)

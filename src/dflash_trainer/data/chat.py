@@ -6,11 +6,12 @@ conversation once as text. For every assistant message i, render
     P_i = template(messages[:i],   add_generation_prompt=True)   # ends right after the header
     Q_i = template(messages[:i+1], add_generation_prompt=False)  # ends after the turn
 
-The supervised characters are Q_i[len(P_i):], cut right after the last special token in it (the
-end-of-turn token, e.g. `<|im_end|>` / `<|eot_id|>`; what follows it, like ChatML's "\\n", is not
-something the model generates). This only works if the template is prefix-stable: P_i must be a
-prefix of Q_i, and Q_i a prefix of the full text. Both are checked; a template that re-renders
-history (e.g. strips reasoning from earlier turns) raises a UserError instead of a wrong mask.
+The supervised characters are Q_i[len(P_i):], minus trailing whitespace when the turn ends with a
+special token (the end-of-turn token, e.g. `<|im_end|>` / `<|eot_id|>`; ChatML's "\\n" after it
+is not something the model generates). This only works if the template is prefix-stable: P_i
+must be a prefix of Q_i, and Q_i a prefix of the full text. Both are checked; a template that
+re-renders history (e.g. strips reasoning from earlier turns) raises a UserError, never a wrong
+mask.
 
 Characters map to tokens through ONE tokenization of the full text (offset mapping), so the ids
 are exactly what the model sees; a token is supervised iff its first character is supervised.
@@ -64,16 +65,16 @@ def _render(tokenizer, messages, gen: bool, kwargs: dict) -> str:
                                          **kwargs)
 
 
-def _special_strings(tokenizer) -> list[str]:
+def _special_strings(tokenizer) -> tuple[str, ...]:
     specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
     for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
         if getattr(tok, "special", False):
             specials.add(str(tok))
-    return sorted((s for s in specials if s), key=len, reverse=True)
+    return tuple(sorted(s for s in specials if s))
 
 
 def render_with_spans(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
-                      specials: list[str] | None = None) -> tuple[str, list[tuple[int, int]]]:
+                      specials: tuple[str, ...] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """Full text and the character spans [start, end) of every supervised assistant turn."""
     kw = dict(template_kwargs or {})
     specials = _special_strings(tokenizer) if specials is None else specials
@@ -94,10 +95,11 @@ def render_with_spans(tokenizer, messages: list[dict], template_kwargs: dict | N
                 "Set `tokenizer.chat_template` to a template that renders history unchanged, or "
                 "use single-turn data.")
         start, end = len(p), len(q)
-        seg = q[start:end]
-        cut = max((seg.rfind(s) + len(s) for s in specials if s in seg), default=-1)
-        if cut > 0:
-            end = start + cut
+        # Turn = content + end-of-turn special + maybe whitespace ("\n" in ChatML): keep the
+        # special, drop the whitespace after it. endswith() over a tuple is O(total special len).
+        kept = q[start:end].rstrip()
+        if kept.endswith(specials):
+            end = start + len(kept)
         if end > start:
             spans.append((start, end))
     return full, spans

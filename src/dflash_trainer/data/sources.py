@@ -2,7 +2,8 @@
 
 Two record shapes are accepted:
 
-    ShareGPT  {"id"?: ..., "conversations": [{"from": "human|user|gpt|assistant|system", "value": str}]}
+    ShareGPT  {"id"?: ..., "conversations": [{"from": "human|user|gpt|assistant|system",
+                                              "value": str}]}
     OpenAI    {"id"?: ..., "messages":      [{"role": "system|user|assistant", "content": str}]}
 
 Every reader yields `(locator, record)` pairs where the locator ("line 12", "row 7", "item 3") is
@@ -111,8 +112,8 @@ def _resolve(path_str: str, roots: tuple | list) -> Path:
                         "(dflash_trainer.data.generate.ensure_embedded_responses).")
     p = Path(path_str).expanduser()
     if not p.exists():
-        raise UserError(f"data.sources: '{path_str}' does not exist. Check the path (relative paths "
-                        "are relative to the working directory).")
+        raise UserError(f"data.sources: '{path_str}' does not exist. Check the path (relative "
+                        "paths are relative to the working directory).")
     rp = p.resolve()
     if roots:
         rroots = [Path(r).expanduser().resolve() for r in roots]
@@ -129,7 +130,11 @@ def _resolve(path_str: str, roots: tuple | list) -> Path:
 
 def _read_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
     with open(p, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        lineno = 0
+        # A plain readline loop: enumerate(f) would keep the last line alive in its cached
+        # result tuple, so `del raw` below could not free it.
+        while raw := f.readline():
+            lineno += 1
             loc = f"line {lineno}"
             try:
                 text = raw.decode("utf-8")
@@ -137,13 +142,16 @@ def _read_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
                 yield loc, _BadRecord("<bytes>", f"not valid UTF-8 (byte offset {e.start} in the "
                                       "line); re-encode the file as UTF-8")
                 continue
-            if not text.strip():
+            finally:
+                del raw   # free the bytes before parsing: peak = decoded line + parsed record
+            if not text or text.isspace():   # (strip() would copy a huge line)
                 continue
             try:
-                yield loc, json.loads(text)
+                rec = json.loads(text)
             except json.JSONDecodeError as e:
-                yield loc, _BadRecord("<json>", f"invalid JSON ({e.msg} at column {e.colno})")
-            del raw, text
+                rec = _BadRecord("<json>", f"invalid JSON ({e.msg} at column {e.colno})")
+            del text
+            yield loc, rec
 
 
 def _read_json(p: Path) -> Iterator[tuple[str, Any]]:
@@ -284,7 +292,8 @@ def parse_record(rec: Any) -> tuple[Any, list[dict]]:
 
 
 def _has_response(messages: list[dict]) -> bool:
-    return any(m["role"] == "assistant" and m["content"].strip() for m in messages)
+    return any(m["role"] == "assistant" and m["content"] and not m["content"].isspace()
+               for m in messages)
 
 
 # --------------------------------------------------------------------------------------------

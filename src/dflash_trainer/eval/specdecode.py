@@ -132,7 +132,13 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _hash32_int(x: int) -> int:
-    return int(_hash32(torch.tensor([x & _M32], dtype=torch.int64))[0])
+    """`_hash32` on a Python int (per-position keys; no tensor round trip)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
 
 
 def _position_noise(seed: int, positions: Sequence[int], vocab: int,
@@ -499,7 +505,7 @@ def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
             raise UserError(f"no embedded prompts found for eval dataset '{name}'.")
         return [(c.id, c.messages) for c in convs]
     if name == "heldout":
-        path = getattr(cfg.eval, "heldout_path", "") or str(Path(cfg.run_dir) / "heldout.jsonl")
+        path = cfg.eval.heldout_path or str(Path(cfg.run_dir) / "heldout.jsonl")
         if Path(path).is_file():
             return load_prompt_file(path)
         log.warning("eval: no held-out file at %s; using mt-bench prompts instead", path)
@@ -549,19 +555,29 @@ def eval_command(cfg: Any, args: Any) -> int:
     output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
     target = TargetModel.load(cfg.target, device)
     drafter = load_drafter(drafter_dir, device)
-    block_size = cfg.eval.block_size or drafter.config.block_size
+    dc = drafter.config
+    if list(dc.target_layer_ids) != list(target.layer_ids) or dc.hidden_size != target.hidden_size:
+        raise UserError(f"drafter '{drafter_dir}' was trained on target layers "
+                        f"{list(dc.target_layer_ids)} (hidden {dc.hidden_size}), but "
+                        f"target.model={cfg.target.model} taps {list(target.layer_ids)} (hidden "
+                        f"{target.hidden_size}); use the drafter's target, or set --target.taps.")
+    block_size = cfg.eval.block_size or dc.block_size
+    if block_size > dc.block_size:
+        raise UserError(f"eval.block_size={block_size} exceeds the drafter's trained block size "
+                        f"{dc.block_size}; use a value <= {dc.block_size} (0 = trained size).")
     results = {}
     for name in cfg.eval.datasets:
         convs = load_prompt_set(name, cfg)[: cfg.eval.num_prompts]
         log.info("eval: %s, %d conversations, block %d", name, len(convs), block_size)
         s = run_conversations(target, drafter, convs, cfg.eval.max_new_tokens, block_size,
-                              cfg.eval.temperature, getattr(cfg.eval, "top_p", 1.0),
-                              cfg.target.enable_thinking)
+                              cfg.eval.temperature, cfg.eval.top_p, cfg.target.enable_thinking,
+                              seed=cfg.eval.seed)
         results[name] = s
     print(format_table(results))
     payload = {"drafter": str(drafter_dir), "target": getattr(target, "name", cfg.target.model),
                "block_size": block_size, "max_new_tokens": cfg.eval.max_new_tokens,
-               "temperature": cfg.eval.temperature, "device": str(device),
+               "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
+               "seed": cfg.eval.seed, "device": str(device),
                "datasets": {k: v.to_dict() for k, v in results.items()}}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(payload, indent=2), encoding="utf-8")

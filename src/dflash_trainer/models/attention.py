@@ -160,15 +160,16 @@ def _split_chunk(qg, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, scale):
     """One chunk of n blocks. qg [B,hkv,g,n,bs,d]; k/v_ctx [B,hkv,S,d]; k/v_blk [B,hkv,n,bs,d]."""
     f32 = torch.float32  # softmax statistics in fp32 whatever the input dtype (bf16 autocast)
     S = k_ctx.shape[2]
-    qf = qg.to(f32)
-    s_blk = torch.einsum("bhgnqd,bhnkd->bhgnqk", qf, k_blk.to(f32)) * scale       # [..,bs,bs]
-    m = s_blk.amax(dim=-1, keepdim=True)
+    qf = qg.to(f32) * scale                                  # scale the small side, not scores
+    s_blk = torch.einsum("bhgnqd,bhnkd->bhgnqk", qf, k_blk.to(f32))                # [..,bs,bs]
     if S > 0:
-        s_ctx = torch.einsum("bhgnqd,bhkd->bhgnqk", qf, k_ctx.to(f32)) * scale    # [..,bs,S]
+        s_ctx = torch.einsum("bhgnqd,bhkd->bhgnqk", qf, k_ctx.to(f32))             # [..,bs,S]
         vis = torch.arange(S, device=qg.device)[None, None, :] < anchors[:, :, None]   # [B,n,S]
         s_ctx = s_ctx.masked_fill(~vis[:, None, None, :, None, :], float("-inf"))
-        m = torch.maximum(m, s_ctx.amax(dim=-1, keepdim=True))
-    m = m.detach()
+    with torch.no_grad():  # the shift m is a constant for the gradient: no graph, nothing saved
+        m = s_blk.amax(dim=-1, keepdim=True)
+        if S > 0:
+            m = torch.maximum(m, s_ctx.amax(dim=-1, keepdim=True))
     p_blk = torch.exp(s_blk - m)
     num = torch.einsum("bhgnqk,bhnkd->bhgnqd", p_blk, v_blk.to(f32))
     den = p_blk.sum(dim=-1, keepdim=True)
@@ -196,7 +197,9 @@ def flex_available() -> bool:
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    # Default dynamic mode: padded lengths vary per batch; a static compile per shape would hit
+    # the recompile limit.
+    return torch.compile(flex_attention)
 
 
 def flex_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int,
@@ -228,6 +231,9 @@ def flex_block_attention(q, k, v, anchors, block_valid, block_size, scale=None, 
     bm = create_block_mask(mask_mod, B, None, Q, KV, device=q.device, _compile=compile)
     fn = _compiled_flex() if compile else flex_attention
     enable_gqa = hq != k.shape[1]
+    # Under autocast q/k leave the fp32-weighted RMSNorms as fp32 while v is bf16: flex needs one
+    # dtype, and v's is the autocast compute dtype.
+    q, k = q.to(v.dtype), k.to(v.dtype)
     out = fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=enable_gqa)
     keep = block_valid.repeat_interleave(block_size, dim=1)[:, None, :, None]
     return out * keep.to(out.dtype)

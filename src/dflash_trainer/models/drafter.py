@@ -282,7 +282,8 @@ class DFlashDrafter(nn.Module):
         S, bs = features.shape[1], c.block_size
         impl = attention or c.attention
         ctx = self.fuse(features)
-        x = block_embeds.to(ctx.dtype) if not torch.is_autocast_enabled() else block_embeds
+        x = block_embeds if torch.is_autocast_enabled(block_embeds.device.type) \
+            else block_embeds.to(ctx.dtype)
         dt = x.dtype
         slot = torch.arange(bs, device=x.device)
         blk_pos = (anchors[:, :, None] + slot).reshape(B, Q)
@@ -312,8 +313,8 @@ class DFlashDrafter(nn.Module):
         all block tokens (no mask). Block K/V are not kept. Returns final-normed [B,Q,H]."""
         B, Q, _ = block_embeds.shape
         dev = block_embeds.device
-        x = block_embeds.to(self.fc.weight.dtype) if not torch.is_autocast_enabled() \
-            else block_embeds
+        x = block_embeds if torch.is_autocast_enabled(dev.type) \
+            else block_embeds.to(self.fc.weight.dtype)
         dt = x.dtype
         rope_q = self._rope(torch.arange(start, start + Q, device=dev).expand(B, Q), dt)
         ctx = rope_c = None

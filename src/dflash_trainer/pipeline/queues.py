@@ -18,6 +18,14 @@ class Stopped(Exception):
     """The stop event was set while a stage was blocked on a queue."""
 
 
+def _heartbeat() -> None:
+    """A stage blocked on a queue is waiting, not hung: refresh the calling thread's heartbeat
+    (threads that own a `counters` with `beat()`), so the stall detector only sees stuck work."""
+    c = getattr(threading.current_thread(), "counters", None)
+    if c is not None:
+        c.beat()
+
+
 class BoundedQueue:
     def __init__(self, name: str, capacity: int, poll_s: float = 0.1):
         self._q: queue.Queue = queue.Queue(maxsize=capacity)
@@ -39,6 +47,7 @@ class BoundedQueue:
                     self._q.put(item, timeout=self.poll_s)
                     return
                 except queue.Full:
+                    _heartbeat()
                     continue
         finally:
             c = self.counters
@@ -63,6 +72,7 @@ class BoundedQueue:
                 item = self._q.get(timeout=self.poll_s)
                 break
             except queue.Empty:
+                _heartbeat()
                 continue
         now = time.perf_counter_ns()
         c = self.counters

@@ -88,7 +88,8 @@ class Supervisor:
     def __init__(self, *, threads: list[threading.Thread], events: queue.Queue,
                  stop: threading.Event, done: threading.Event, monitor=None,
                  tick_s: float = 0.5, deadline_s: float = 30.0, stall_timeout_s: float = 0.0,
-                 max_consecutive_skips: int = 0, on_tick=None, signals: SignalGuard | None = None):
+                 max_consecutive_skips: int = 0, consecutive_skips=None, on_tick=None,
+                 signals: SignalGuard | None = None):
         self.threads = threads
         self.events = events
         self.stop = stop
@@ -98,22 +99,20 @@ class Supervisor:
         self.deadline_s = deadline_s
         self.stall_timeout_s = stall_timeout_s
         self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = consecutive_skips   # () -> latest device count read by monitor
         self.on_tick = on_tick
         self.signals = signals
 
     def _check_health(self) -> StageError | None:
-        if self.monitor is None:
-            return None
-        if self.stall_timeout_s > 0:
-            stalled = self.monitor.stalled(self.stall_timeout_s)
+        if self.monitor is not None and self.stall_timeout_s > 0:
+            alive = {t.name for t in self.threads if t.is_alive()}
+            stalled = [n for n in self.monitor.stalled(self.stall_timeout_s) if n in alive]
             if stalled:
                 return StageError(stalled[0], f"no progress for more than "
                                   f"{self.stall_timeout_s:.0f} s (pipeline.stall_timeout_s); "
                                   "the stage is hung")
-        if self.max_consecutive_skips:
-            latest = self.monitor.latest()
-            consec = max((v for k, v in latest.items() if k.endswith("consecutive_skips")),
-                         default=0.0)
+        if self.max_consecutive_skips and self.consecutive_skips is not None:
+            consec = self.consecutive_skips()
             if consec >= self.max_consecutive_skips:
                 return StageError("drafter", f"{int(consec)} consecutive optimizer steps had a "
                                   "non-finite loss or gradient (optim.max_consecutive_skips); "

@@ -26,19 +26,26 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    """`STAGE:STEP[:hang]`: raise (or hang) in STAGE when its step counter reaches STEP."""
+    """`STAGE:STEP[:KIND]`: when STAGE's step counter reaches STEP, raise (default), `hang`, or
+    send this process a `sigterm` (tests the graceful-stop path end to end)."""
 
     def __init__(self, spec: str):
-        self.stage, self.step, self.hang = None, -1, False
+        self.stage, self.step, self.kind = None, -1, "raise"
         if spec:
             parts = spec.split(":")
             self.stage, self.step = parts[0], int(parts[1])
-            self.hang = len(parts) > 2 and parts[2] == "hang"
+            self.kind = parts[2] if len(parts) > 2 else "raise"
 
     def check(self, stage: str, step: int, stop: threading.Event) -> None:
         if self.stage is None or not stage.startswith(self.stage) or step != self.step:
             return
-        if self.hang:
+        if self.kind == "sigterm":
+            import os
+            import signal
+            self.stage = None                     # once
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if self.kind == "hang":
             log.warning("fault hook: %s hangs at step %d", stage, step)
             while True:           # a stuck stage: ignores everything; the stall detector aborts
                 time.sleep(1.0)

@@ -11,8 +11,8 @@ Per row of the batch (S = padded length, N = num_anchors, bs = block_size):
   4. labels are SAME-POSITION (pitfall §5.1): slot k predicts input_ids[a_j + k]; slot 0 is given
      and excluded; a label counts iff a_j+k < S, loss_mask[a_j+k] and the block is valid;
   5. loss = sum(w*mask*CE) / sum(w*mask), w_k = exp(-(k-1)/gamma).
-The LM head runs a chunk of blocks at a time under activation checkpointing, so the full
-[N*bs, V] logits never exist, in forward or backward.
+The LM head runs a chunk of blocks at a time and each chunk's input gradient is formed right
+away (_ChunkCE), so the full [N*bs, V] logits never exist, in forward or backward.
 
 Everything stays on the device: no .item(), no boolean indexing, no nonzero (one sync per logging
 step is the caller's business). Metrics come back as one 1-D tensor plus a list of names.
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # Paper A.1 (gamma per block size); other sizes use bs / 2.3, which reproduces 16 -> 6.96,
 # 10 -> 4.35, 8 -> 3.48 within rounding of the paper's choices.
@@ -135,26 +134,30 @@ class DFlashObjective:
         return self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid)
 
     def loss_from_hidden(self, hidden, lm_head, labels, label_valid, block_valid) -> StepOutput:
-        """hidden [B,N*bs,H] -> weighted CE + metrics, LM head applied chunk_blocks at a time."""
+        """hidden [B,N*bs,H] -> weighted CE + metrics, LM head applied chunk_blocks at a time.
+
+        Slot 0 is never decoded (it is given), so only slots 1..bs-1 go through the LM head.
+        """
         B, N, bs = labels.shape
-        h = hidden.view(B, N, bs, -1)
+        if any(p.requires_grad for p in lm_head.parameters()):
+            raise ValueError("lm_head must be frozen (requires_grad False): the chunked loss "
+                             "returns gradients for the drafter hidden states only")
+        h = hidden.view(B, N, bs, -1)[:, :, 1:]
         w = self.slot_weights(hidden.device)                                      # [bs]
         wm = w * label_valid.float()                                              # [B,N,bs]
+        need_grad = torch.is_grad_enabled() and hidden.requires_grad
         num_parts, correct_parts = [], []
         for c0 in range(0, N, self.chunk_blocks):
             c1 = min(N, c0 + self.chunk_blocks)
-            args = (h[:, c0:c1], labels[:, c0:c1], wm[:, c0:c1])
-            if torch.is_grad_enabled() and hidden.requires_grad:
-                num_c, corr_c = checkpoint(_chunk_loss, lm_head, *args, use_reentrant=False,
-                                           preserve_rng_state=False)
-            else:
-                num_c, corr_c = _chunk_loss(lm_head, *args)
+            args = (h[:, c0:c1], lm_head, labels[:, c0:c1, 1:], wm[:, c0:c1, 1:])
+            num_c, corr_c = _ChunkCE.apply(*args) if need_grad else _chunk_ce(*args)[:2]
             num_parts.append(num_c)
             correct_parts.append(corr_c)
         num = torch.stack(num_parts).sum()
         den = wm.sum().clamp_min(1e-6)
         loss = num / den
-        correct = torch.cat(correct_parts, dim=1)                                 # [B,N,bs]
+        correct = torch.cat(correct_parts, dim=1)                                 # [B,N,bs-1]
+        correct = F.pad(correct, (1, 0), value=False)                             # slot 0: given
         metrics = self._metrics(loss.detach(), correct, label_valid, block_valid)
         return StepOutput(loss=loss, metrics=metrics, metric_names=list(self.metric_names))
 
@@ -173,10 +176,39 @@ class DFlashObjective:
                           n_blocks.view(1), n_lab.view(1)])
 
 
-def _chunk_loss(lm_head, h, labels, wm):
-    """h [B,n,bs,H] -> (sum(w*mask*CE) 0-d, top-1 correct [B,n,bs] bool). Logits live only here."""
-    logits = lm_head(h).float()                                                   # [B,n,bs,V]
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
-    num = (ce.view_as(wm) * wm).sum()
-    correct = logits.argmax(dim=-1) == labels
-    return num, correct
+def _chunk_ce(h, lm_head, labels, wm, need_grad=False):
+    """h [B,n,k,H] -> (sum(w*mask*CE) 0-d, top-1 correct [B,n,k] bool, d sum / d h or None).
+
+    The chunk's logits [B,n,k,V] exist only inside this call."""
+    with torch.enable_grad() if need_grad else torch.no_grad():
+        hh = h.detach().requires_grad_(need_grad)
+        logits = lm_head(hh).float()
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
+        num = (ce.view_as(wm) * wm).sum()
+        correct = logits.argmax(dim=-1) == labels
+        grad_h = torch.autograd.grad(num, hh)[0] if need_grad else None
+    return num.detach(), correct, grad_h
+
+
+class _ChunkCE(torch.autograd.Function):
+    """Chunked LM head + weighted CE whose input gradient is computed in the forward pass.
+
+    This replaces activation checkpointing of the chunk (what SpecForge does): the memory bound is
+    the same (one chunk of logits at a time, never all of them, in forward or backward) but the
+    LM-head matmul runs twice per chunk (logits, grad input) instead of three times (logits,
+    recompute, grad input). The LM head is the largest matmul of the step (V >> H), so that is
+    about a quarter of the step on CPU. What is kept for backward is d num / d h, the size of h.
+    Valid because the loss is linear in each chunk's num (loss = sum(num) / const).
+    """
+
+    @staticmethod
+    def forward(ctx, h, lm_head, labels, wm):
+        num, correct, grad_h = _chunk_ce(h, lm_head, labels, wm, need_grad=True)
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(correct)
+        return num, correct
+
+    @staticmethod
+    def backward(ctx, g_num, g_correct):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * g_num.to(grad_h.dtype), None, None, None

@@ -1,0 +1,189 @@
+"""`dflash-trainer report RUN_DIR`: PNG plots + a self-contained report.html from metrics.jsonl.
+
+Plots whatever series exist; a missing series is skipped with a note in the HTML, never a crash
+(a run without GPUs has no memory plot, an early crash may have no loss yet).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import logging
+import math
+import re
+from pathlib import Path
+
+from dflash_trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_ACC_RE = re.compile(r"^drafter/acc[_/]?(\d+)$")
+
+
+def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
+    """(metrics records, event records); unreadable lines (a torn last line) are skipped."""
+    rows, events = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            (events if rec.get("kind") == "event" else rows).append(rec)
+    return rows, events
+
+
+def _series(rows: list[dict], key: str, x: str = "time/elapsed_s") -> tuple[list, list]:
+    xs, ys = [], []
+    for i, r in enumerate(rows):
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            xs.append(r.get(x, i))
+            ys.append(v)
+    return xs, ys
+
+
+def _keys(rows: list[dict], pattern: str) -> list[str]:
+    rx = re.compile(pattern)
+    seen: dict[str, None] = {}
+    for r in rows:
+        for k in r:
+            if rx.match(k):
+                seen[k] = None
+    return sorted(seen)
+
+
+class _Report:
+    def __init__(self, rows, events, out_dir: Path):
+        import matplotlib
+        matplotlib.use("Agg")              # no display; must precede pyplot import
+        import matplotlib.pyplot as plt
+        self.plt = plt
+        self.rows, self.events, self.out = rows, events, out_dir
+        self.sections: list[tuple[str, str | None, str]] = []   # (title, png name or None, note)
+
+    def lines(self, fname: str, title: str, panels: list[tuple[str, list[str], str]],
+              x: str = "time/elapsed_s", xlabel: str = "elapsed (s)", rows=None) -> None:
+        """One figure, one subplot per panel (ylabel, keys, key prefix to strip from labels)."""
+        rows = self.rows if rows is None else rows
+        panels = [(yl, [k for k in keys if _series(rows, k, x)[1]], strip)
+                  for yl, keys, strip in panels]
+        panels = [p for p in panels if p[1]]
+        if not panels:
+            self.sections.append((title, None, "no data in metrics.jsonl for this plot"))
+            return
+        fig, axes = self.plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)),
+                                      squeeze=False, sharex=True)
+        for ax, (ylabel, keys, strip) in zip(axes[:, 0], panels):
+            for k in keys:
+                xs, ys = _series(rows, k, x)
+                ax.plot(xs, ys, label=k.replace(strip, "") if strip else k, lw=1.4,
+                        marker="o" if len(xs) < 30 else None, ms=3)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="best")
+        axes[-1, 0].set_xlabel(xlabel)
+        axes[0, 0].set_title(title)
+        self._save(fig, fname, title)
+
+    def _save(self, fig, fname: str, title: str, note: str = "") -> None:
+        fig.tight_layout()
+        fig.savefig(self.out / fname, dpi=90)
+        self.plt.close(fig)
+        self.sections.append((title, fname, note))
+
+    def accuracy(self, fname: str, window: int) -> None:
+        title = "Per-position accuracy (last window)"
+        keys = sorted(_keys(self.rows, _ACC_RE.pattern), key=lambda k: int(_ACC_RE.match(k)[1]))
+        last = [r for r in self.rows if any(k in r for k in keys)][-window:]
+        if not keys or not last:
+            self.sections.append((title, None, "no drafter/acc_{k} series in metrics.jsonl"))
+            return
+        pos, means = [], []
+        for k in keys:
+            vals = [r[k] for r in last if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
+            if vals:
+                pos.append(int(_ACC_RE.match(k)[1]))
+                means.append(sum(vals) / len(vals))
+        fig, ax = self.plt.subplots(figsize=(9, 3.5))
+        ax.bar(pos, means, color="tab:blue")
+        ax.set_xlabel("position in block")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(0, 1)
+        ax.set_xticks(pos)
+        ax.grid(alpha=0.3, axis="y")
+        ax.set_title(f"{title}: mean of the last {len(last)} log records")
+        self._save(fig, fname, title)
+
+    def html(self, run_dir: Path) -> str:
+        parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>dflash-trainer report: "
+                 f"{html.escape(run_dir.name)}</title></head><body style='font-family:sans-serif'>",
+                 f"<h1>Run {html.escape(str(run_dir))}</h1>",
+                 f"<p>{len(self.rows)} metric records, {len(self.events)} events.</p>"]
+        for title, fname, note in self.sections:
+            parts.append(f"<h2>{html.escape(title)}</h2>")
+            if fname is None:
+                parts.append(f"<p><i>skipped: {html.escape(note)}</i></p>")
+                continue
+            b64 = base64.b64encode((self.out / fname).read_bytes()).decode()
+            parts.append(f"<img alt='{html.escape(fname)}' src='data:image/png;base64,{b64}'>")
+        if self.events:
+            parts.append("<h2>Events</h2><ul>")
+            for e in self.events[-200:]:
+                body = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "wall"))
+                parts.append(f"<li>{html.escape(body)}</li>")
+            parts.append("</ul>")
+        parts.append("</body></html>")
+        return "\n".join(parts)
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path}: no metrics file; pass a run directory written by "
+                        "`dflash-trainer train` (it contains metrics.jsonl)")
+    rows, events = read_metrics(path)
+    if not rows:
+        raise UserError(f"{path}: contains no metric records yet; run training longer")
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    r = _Report(rows, events, out)
+    k = lambda pat: _keys(rows, pat)  # noqa: E731
+    r.lines("throughput.png", "Throughput per stage", [
+        ("tokens/s", k(r"^worker/[^/]+/tokens_per_s$"), "worker/"),
+        ("pipeline tok/s", k(r"^tput/(target|drafter)_tok_s$"), "tput/"),
+        ("TFLOP/s", k(r"^tput/\w+_tflops$"), "tput/"),
+    ])
+    r.lines("queues.png", "Queue depth and starvation", [
+        ("depth (items)", k(r"^queue/[^/]+/depth_mean$") or k(r"^queue/[^/]+/depth$"), "queue/"),
+        ("consumer starved", k(r"^queue/[^/]+/consumer_starved_frac$"), "queue/"),
+        ("producer blocked", k(r"^queue/[^/]+/producer_blocked_frac$"), "queue/"),
+    ])
+    r.lines("loss.png", "Drafter loss", [("loss", k(r"^drafter/loss$"), "")],
+            x="step", xlabel="drafter step")
+    window = max(1, len(rows) // 10)
+    r.accuracy("accuracy.png", window)
+    # Eval results arrive as events (monitor.log_event) and share the step axis.
+    r.lines("accept_len.png", "Acceptance length", [
+        ("tokens", k(r"^drafter/accept_len$") + _keys(events, r"^eval/.*accept.*$"), "")],
+        x="step", xlabel="drafter step", rows=rows + events)
+    r.lines("padding.png", "Padding efficiency", [
+        ("real / padded", k(r"^batch/padding_eff$") + k(r"^worker/[^/]+/padding_eff$"), "")])
+    r.lines("memory.png", "Memory over time", [
+        ("allocator GiB", k(r"^mem/\d+/(allocated|reserved)_gib$"), "mem/"),
+        ("device GiB (NVML)", k(r"^gpu/\d+/mem_used_gib$"), "gpu/"),
+    ])
+    html_path = out / "report.html"
+    html_path.write_text(r.html(run_dir), encoding="utf-8")
+    return html_path
+
+
+def report_command(cfg, args) -> int:
+    html_path = write_report(args.report_run_dir, getattr(args, "report_out", None))
+    print(f"report written to {html_path}")
+    return 0

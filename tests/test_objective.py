@@ -1,0 +1,253 @@
+"""DFlash objective: anchors, same-position labels, weighted CE, chunking, no host sync."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.train.objective import DFlashObjective, default_gamma
+
+H, NF, BS, V, MASK = 32, 2, 4, 64, 63
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    cfg = DFlashConfig(hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                       intermediate_size=48, block_size=BS, target_layer_ids=[1, 2],
+                       num_target_layers=4, mask_token_id=MASK, vocab_size=V, init_std=0.1,
+                       attention="split")
+    drafter = DFlashDrafter(cfg)
+    embed = torch.randn(V, H)
+    lm_head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
+    return drafter, embed, lm_head
+
+
+def _data(B=3, S=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V - 1, (B, S), generator=g)
+    lm = torch.zeros(B, S, dtype=torch.bool)
+    lm[0, 5:18] = True             # prompt 0..4, response 5..17, then padding
+    lm[1, 3:6] = True              # short response: valid anchors 3, 4 (not 5: 6 is unsupervised)
+    lm[1, 9:14] = True             # second assistant turn: anchors 9..12
+    # row 2: no supervised token at all (e.g. a padded row)
+    feats = torch.randn(B, S, NF * H, generator=g)
+    return ids, lm, feats
+
+
+def test_gamma_defaults():
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    assert math.isclose(default_gamma(4), 4 / 2.3)
+    w = DFlashObjective(16, 8, 0.0).slot_weights("cpu")
+    assert w[0] == 0 and w[1] == 1 and math.isclose(w[8].item(), math.exp(-1.0), rel_tol=1e-6)
+
+
+def test_anchor_sampling_rules():
+    ids, lm, _ = _data()
+    obj = DFlashObjective(BS, num_anchors=6)
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        anchors, valid = obj.sample_anchors(lm, g)
+        assert anchors.shape == valid.shape == (3, 6)
+        for b in range(3):
+            ok = [p for p in range(19) if lm[b, p] and lm[b, p + 1]]
+            got = anchors[b][valid[b]].tolist()
+            assert len(got) == min(6, len(ok))
+            assert all(lm[b, p] and lm[b, p + 1] for p in got)   # never prompt / last token
+            assert got == sorted(set(got))                        # sorted, without replacement
+            assert valid[b].tolist() == sorted(valid[b].tolist(), reverse=True)  # padding last
+    # same generator seed -> same anchors; different seed -> different (row 0 has 12 choices)
+    a1 = obj.sample_anchors(lm, torch.Generator().manual_seed(7))[0]
+    a2 = obj.sample_anchors(lm, torch.Generator().manual_seed(7))[0]
+    a3 = obj.sample_anchors(lm, torch.Generator().manual_seed(8))[0]
+    assert torch.equal(a1, a2) and not torch.equal(a1, a3)
+
+
+def test_anchor_sampling_uniform():
+    lm = torch.zeros(1, 12, dtype=torch.bool)
+    lm[0, 2:10] = True                                     # valid anchors 2..8 (7 positions)
+    obj = DFlashObjective(BS, num_anchors=3)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(12)
+    for _ in range(700):
+        a, v = obj.sample_anchors(lm, g)
+        counts.index_add_(0, a[0], v[0].float())
+    assert counts[:2].sum() == 0 and counts[9:].sum() == 0
+    freq = counts[2:9] / 700                               # each 3/7 ~ 0.43
+    assert (freq - 3 / 7).abs().max() < 0.08
+
+
+def test_more_anchors_than_positions_pads():
+    ids, lm, _ = _data(S=20)
+    obj = DFlashObjective(BS, num_anchors=40)              # > S-1 candidate positions
+    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(0))
+    assert anchors.shape == (3, 40)
+    assert valid.sum(1).tolist() == [12, 6, 0]
+
+
+def test_blocks_and_same_position_labels():
+    ids, lm, _ = _data()
+    obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK)
+    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(3))
+    blocks = obj.build_blocks(ids, anchors, valid)
+    labels, lv = obj.build_labels(ids, lm, anchors, valid)
+    B, N, S = 3, 6, ids.shape[1]
+    for b in range(B):
+        for j in range(N):
+            a = int(anchors[b, j])
+            if valid[b, j]:
+                assert blocks[b, j].tolist() == [int(ids[b, a])] + [MASK] * (BS - 1)
+            else:
+                assert blocks[b, j].tolist() == [MASK] * BS
+            for k in range(BS):
+                want_valid = bool(valid[b, j]) and k >= 1 and a + k < S and bool(lm[b, a + k])
+                assert bool(lv[b, j, k]) == want_valid
+                if want_valid:
+                    assert labels[b, j, k] == ids[b, a + k]      # same position, not a + k + 1
+
+
+def _reference_loss(obj, drafter, embed, lm_head, feats, ids, lm, g_seed):
+    """Naive loop: per valid block and slot, CE * weight, normalised by the weight sum."""
+    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(g_seed))
+    blocks = obj.build_blocks(ids, anchors, valid)
+    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
+    num, den = 0.0, 0.0
+    S = ids.shape[1]
+    for b in range(ids.shape[0]):
+        for j in range(anchors.shape[1]):
+            if not valid[b, j]:
+                continue
+            a = int(anchors[b, j])
+            for k in range(1, BS):
+                if a + k < S and lm[b, a + k]:
+                    w = math.exp(-(k - 1) / obj.gamma)
+                    logits = lm_head(hidden[b, j * BS + k])
+                    num = num + w * F.cross_entropy(logits[None], ids[b, a + k][None])
+                    den += w
+    return num / den
+
+
+def test_loss_matches_naive_reference():
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=3)
+    out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5))
+    ref = _reference_loss(obj, drafter, embed, lm_head, feats, ids, lm, 5)
+    torch.testing.assert_close(out.loss, ref)
+    params = list(drafter.parameters())
+    for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
+        torch.testing.assert_close(a, b)
+    names = out.metric_names
+    assert out.metrics.shape == (len(names),)
+    assert out.metrics[names.index("loss")] == out.loss.detach()
+    assert out.metrics[names.index("num_blocks")] == 8 + 6 + 0
+
+
+def test_chunked_equals_unchunked_values_and_grads():
+    ids, lm, feats = _data()
+    results = []
+    for chunk in (1, 4, 1000):
+        drafter, embed, lm_head = _setup()
+        obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK, chunk_blocks=chunk)
+        out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(1))
+        out.loss.backward()
+        results.append((out.loss.detach(), out.metrics,
+                        [p.grad.clone() for p in drafter.parameters()]))
+    for loss, metrics, grads in results[1:]:
+        torch.testing.assert_close(loss, results[0][0])
+        torch.testing.assert_close(metrics, results[0][1])
+        for a, b in zip(grads, results[0][2]):
+            torch.testing.assert_close(a, b)
+
+
+def test_trainable_lm_head_is_rejected():
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=4, mask_token_id=MASK)
+    with pytest.raises(ValueError, match="frozen"):
+        obj(drafter, embed, lm_head.requires_grad_(True), feats, ids, lm)
+
+
+def test_padding_rows_finite_loss_and_grads():
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=8, mask_token_id=MASK)
+    out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(0))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(out.metrics).all()
+    assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
+    # A batch with no supervised token at all: loss 0, grads finite (zero).
+    drafter.zero_grad()
+    out = obj(drafter, embed, lm_head, feats, ids, torch.zeros_like(lm),
+              torch.Generator().manual_seed(0))
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
+
+
+def test_metrics_accuracy_and_acceptance():
+    obj = DFlashObjective(BS, num_anchors=3)
+    # 1 row, 3 blocks (last is padding); slots 1..3.
+    correct = torch.tensor([[[1, 1, 1, 0], [1, 0, 1, 1], [1, 1, 1, 1]]]).bool()
+    lv = torch.tensor([[[0, 1, 1, 1], [0, 1, 1, 0], [0, 0, 0, 0]]]).bool()
+    bv = torch.tensor([[True, True, False]])
+    m = dict(zip(obj.metric_names, obj._metrics(torch.tensor(0.5), correct, lv, bv).tolist()))
+    assert m["num_label_tokens"] == 5 and m["num_blocks"] == 2
+    assert m["acc"] == pytest.approx(3 / 5)
+    assert m["acc_1"] == pytest.approx(1 / 2) and m["acc_2"] == pytest.approx(1.0)
+    assert m["acc_3"] == pytest.approx(0.0)
+    # block 0: slots 1,2 correct, 3 wrong -> 2 + 1; block 1: slot 1 wrong -> 0 + 1.
+    assert m["accept_len"] == pytest.approx((3 + 1) / 2)
+
+
+class _SyncCounter(TorchDispatchMode):
+    SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal",
+                "aten::item"}
+
+    def __init__(self):
+        super().__init__()
+        self.hits = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in self.SYNC_OPS:
+            self.hits.append(name)
+        out = func(*args, **kwargs)
+        if name in ("aten::_to_copy", "aten::copy_", "aten::to"):   # device -> host copies
+            src = [a for a in args if isinstance(a, torch.Tensor)]
+            dst = out if isinstance(out, torch.Tensor) else None
+            if src and dst is not None and src[-1].device != dst.device and dst.device.type == "cpu":
+                self.hits.append(f"{name} {src[-1].device}->cpu")
+        return out
+
+
+def test_no_host_sync_in_objective_and_backward():
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK, chunk_blocks=2)
+    g = torch.Generator().manual_seed(0)
+    counter = _SyncCounter()
+    with counter:
+        out = obj(drafter, embed, lm_head, feats, ids, lm, g)
+        out.loss.backward()
+    assert counter.hits == []
+    # The counter does see a sync when there is one (the test can fail).
+    with counter:
+        out.loss.item()
+    assert counter.hits
+
+
+def test_bf16_autocast_close_to_fp32():
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK)
+    ref = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(2))
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32
+    assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
+    torch.testing.assert_close(out.loss, ref.loss.detach(), atol=0.05, rtol=0.02)

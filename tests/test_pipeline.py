@@ -1,0 +1,105 @@
+"""End to end on tiny random models: the pipeline trains, resumes exactly, fails loudly."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from dflash_trainer.pipeline.runtime import StageError
+from dflash_trainer.trainer import train
+from tiny import tiny_config, tiny_dataset, tiny_target
+
+
+def _run(tmp_path, **over):
+    cfg = tiny_config(tmp_path, **over)
+    return train(cfg, target=tiny_target(), train_set=tiny_dataset())
+
+
+def _losses(result):
+    return {step: m["loss"] for step, m in result.history}
+
+
+def _ledger(run_dir):
+    rows = [json.loads(l) for l in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    return [(r["epoch"], s) for r in rows for s in r["samples"]]
+
+
+@pytest.mark.parametrize("schedule", ["pipelined", "sequential"])
+def test_trains_and_loss_falls(tmp_path, schedule):
+    res = _run(tmp_path, **{"pipeline.schedule": schedule, "optim.epochs": 6})
+    losses = [m["loss"] for _, m in res.history]
+    assert res.steps == len(losses) > 10
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first * 0.9, (first, last)
+    assert (res.export_dir / "model.safetensors").is_file()
+    # every sample exactly once per epoch
+    ledger = _ledger(res.run_dir)
+    for epoch in range(6):
+        ids = sorted(s for e, s in ledger if e == epoch)
+        assert ids == list(range(len(tiny_dataset()))), epoch
+
+
+def test_schedules_give_identical_losses(tmp_path):
+    a = _run(tmp_path / "a", **{"pipeline.schedule": "pipelined"})
+    b = _run(tmp_path / "b", **{"pipeline.schedule": "sequential"})
+    la, lb = _losses(a), _losses(b)
+    assert la.keys() == lb.keys()
+    for k in la:
+        assert la[k] == pytest.approx(lb[k], rel=1e-5, abs=1e-6)
+
+
+def test_resume_after_sigterm_matches_uninterrupted(tmp_path):
+    full = _run(tmp_path / "full", **{"optim.epochs": 3})
+    part = _run(tmp_path / "run2", **{"optim.epochs": 3, "pipeline.fault": "drafter:9:sigterm"})
+    assert part.reason == "signal"
+    k = part.steps
+    assert 9 <= k < full.steps
+    cfg = tiny_config(tmp_path / "run2", **{"optim.epochs": 3, "checkpoint.resume": True})
+    res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
+    lf, lr = _losses(full), _losses(res)
+    assert min(lr) == k + 1 and max(lr) == full.steps
+    for step in lr:
+        assert lr[step] == pytest.approx(lf[step], rel=1e-5, abs=1e-6), step
+    ledger = _ledger(res.run_dir)
+    for epoch in range(3):
+        assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
+
+
+@pytest.mark.parametrize("schedule,stage", [("pipelined", "prefetch"), ("pipelined", "target"),
+                                            ("pipelined", "drafter"), ("sequential", "target")])
+def test_fault_in_a_stage_stops_the_run_naming_it(tmp_path, schedule, stage):
+    t0 = time.monotonic()
+    worker = "sequential0" if schedule == "sequential" else stage
+    with pytest.raises(StageError, match=rf"stage '{worker}\w*' failed: InjectedFault: "
+                                         rf"injected fault in stage '{stage}"):
+        _run(tmp_path, **{"pipeline.schedule": schedule, "pipeline.fault": f"{stage}:3"})
+    assert time.monotonic() - t0 < 30
+
+
+def test_hung_stage_is_detected_by_the_stall_detector(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(StageError, match=r"stage 'target0' failed: no progress"):
+        _run(tmp_path, **{"pipeline.fault": "target:2:hang", "pipeline.stall_timeout_s": 2,
+                          "pipeline.shutdown_deadline_s": 2})
+    assert time.monotonic() - t0 < 30
+
+
+class _NanTarget:
+    """Wraps a target so that its features are NaN: every step is non-finite."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def features(self, ids, attn):
+        return self.inner.features(ids, attn) * float("nan")
+
+
+def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
+    cfg = tiny_config(tmp_path, **{"optim.max_consecutive_skips": 4, "optim.epochs": 6})
+    target = tiny_target()
+    with pytest.raises(StageError, match="consecutive optimizer steps had a non-finite"):
+        train(cfg, target=_NanTarget(target), train_set=tiny_dataset())
