@@ -1,4 +1,4 @@
-"""NVML and allocator collectors: fakes for the values, and absent library/driver/CUDA never fails."""
+"""NVML and allocator collectors: fakes for the values; absent library/driver/CUDA never fails."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def make_fake_nvml(init_error: Exception | None = None):
         NVML_TEMPERATURE_GPU=0, NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2,
         nvmlInit=init, nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1),
         nvmlDeviceGetHandleByUUID=lambda u: boards[u],
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=h["util"], memory=h["mem_rw"]),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=h["util"],
+                                                                      memory=h["mem_rw"]),
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=h["used"], total=h["total"],
                                                                 free=h["total"] - h["used"]),
         nvmlDeviceGetPowerUsage=lambda h: h["power"],

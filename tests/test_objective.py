@@ -162,6 +162,24 @@ def test_chunked_equals_unchunked_values_and_grads():
             torch.testing.assert_close(a, b)
 
 
+def test_generic_head_module_matches_linear_fast_path():
+    """A non-Linear head goes through autograd; a bias-free Linear through the hand-written
+    gradient. Both must agree (value, metrics, grads)."""
+    ids, lm, feats = _data()
+    res = []
+    for wrap in (False, True):
+        drafter, embed, lm_head = _setup()
+        head = torch.nn.Sequential(lm_head) if wrap else lm_head
+        obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK, chunk_blocks=4)
+        out = obj(drafter, embed, head, feats, ids, lm, torch.Generator().manual_seed(4))
+        out.loss.backward()
+        res.append((out.loss.detach(), out.metrics, [p.grad for p in drafter.parameters()]))
+    torch.testing.assert_close(res[0][0], res[1][0])
+    torch.testing.assert_close(res[0][1], res[1][1])
+    for a, b in zip(res[0][2], res[1][2]):
+        torch.testing.assert_close(a, b)
+
+
 def test_trainable_lm_head_is_rejected():
     drafter, embed, lm_head = _setup()
     ids, lm, feats = _data()

@@ -58,6 +58,8 @@ def test_bad_shape_raises():
     ring = ScalarRing(NAMES)
     with pytest.raises(ValueError, match="expects shape"):
         ring.push(0, torch.zeros(3))
+    with pytest.raises(TypeError, match="Python int"):
+        ring.push(torch.tensor(3), torch.zeros(4))
     with pytest.raises(ValueError):
         ScalarRing([], capacity=4)
 

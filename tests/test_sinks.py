@@ -32,7 +32,8 @@ def test_jsonl_roundtrip_and_events(tmp_path):
     s.event({"eval/accept_len": 2.0, "what": "eval"}, 4)
     # Line-buffered + flushed: readable before close.
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert lines[0]["kind"] == "metrics" and lines[0]["step"] == 3 and lines[0]["drafter/loss"] == 1.5
+    assert lines[0]["kind"] == "metrics" and lines[0]["step"] == 3
+    assert lines[0]["drafter/loss"] == 1.5
     assert lines[0]["x"] != lines[0]["x"]               # NaN survives the round trip
     assert lines[1] == {**lines[1], "kind": "event", "step": 4, "what": "eval"}
     s.close()

@@ -128,6 +128,15 @@ def test_features_equal_output_hidden_states(build, layer_ids):
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_features_accept_a_prepared_4d_causal_mask(build):
+    """train/step.py passes a cached additive [1,1,S,S] mask (no host sync in HF's mask code)."""
+    target = TargetModel.from_hf(build(), None, [0, 2])
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask4 = torch.full((9, 9), torch.finfo(torch.float32).min).triu(1)[None, None]
+    assert_close(target.features(ids, mask4), target.features(ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
 def test_layers_after_last_tap_do_not_run(build):
     model = build(layers=4)
     target = TargetModel.from_hf(model, None, [0, 1])
@@ -197,7 +206,6 @@ def test_load_missing_dir_is_user_error(tmp_path):
 def smollm2():
     from dflash_trainer.models.embedded import embedded_target_dir
     embedded_target_dir()                       # convert once (default cache) before timing
-    import transformers  # noqa: F401  (the import is not part of the load time)
     t0 = time.perf_counter()
     target = TargetModel.load(TargetConfig(), "cpu")
     return target, time.perf_counter() - t0

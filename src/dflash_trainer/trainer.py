@@ -57,6 +57,25 @@ class RecordingRing:
         return out
 
 
+class NullMonitor:
+    """Observability switched off (benchmarks): no monitor work, no metrics ring, no sinks."""
+
+    def tick(self):
+        pass
+
+    def latest(self):
+        return {}
+
+    def stalled(self, timeout_s):
+        return []
+
+    def log_event(self, record, step=None):
+        pass
+
+    def close(self):
+        pass
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -105,7 +124,7 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
 
 
 def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int = 0,
-          world_size: int = 1, ddp_wrap=None, monitor=None) -> TrainResult:
+          world_size: int = 1, ddp_wrap=None, monitor=None, observe: bool = True) -> TrainResult:
     from dflash_trainer.data.prefetcher import BatchPrefetcher
     from dflash_trainer.observe.monitor import Monitor
 
@@ -160,7 +179,8 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     drafter_step = DrafterStep(drafter=model, objective=objective, embed_weight=embed_weight,
                                lm_head=lm_head, optimizer=optimizer, scheduler=scheduler,
                                guard=guard, generator=generator, device=drafter_device,
-                               grad_accum=cfg.optim.grad_accum, autocast_bf16=autocast, ring=ring)
+                               grad_accum=cfg.optim.grad_accum, autocast_bf16=autocast,
+                               ring=ring if observe else None)
 
     def export_fn(out_dir):
         export_drafter(drafter, out_dir)
@@ -232,7 +252,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                                         done=done, lock=target_lock))
 
     workers = [getattr(t, "counters") for t in threads]
-    mon = monitor
+    mon = monitor if observe else NullMonitor()
     if mon is None:
         mon = Monitor(cfg.metrics, run_dir if rank == 0 else None, config_dict=config_dict,
                       workers=workers, queues=queues,
@@ -241,7 +261,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                       devices=sorted({torch.device(d) for d in p.target_devices}
                                      | {drafter_device}, key=str),
                       flops=None, rank=rank)
-    bar = _progress_bar(cfg, total_steps, start_steps)
+    bar = _progress_bar(cfg, total_steps, start_steps) if observe else None
 
     def on_tick():
         if bar is not None:

@@ -233,6 +233,8 @@ def generate_command(cfg, args) -> int:
     if args.limit and args.limit > 0:
         prompts = prompts[:args.limit]
     out = Path(args.output) if args.output else Path(cfg.run_dir) / "generated.jsonl"
+    if cfg.pipeline.cpu_threads > 0:
+        torch.set_num_threads(cfg.pipeline.cpu_threads)
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     stats = generate_responses(
         target, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

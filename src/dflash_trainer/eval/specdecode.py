@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -194,14 +195,17 @@ def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
 def _tap(model: nn.Module, layer_ids: Sequence[int]):
     """Capture the outputs of the given decoder layers (the DFlash feature: layer output, 0-based).
 
-    Hooks live only for one forward so a target shared with training is left untouched.
+    Hooks live only for one forward so a target shared with training is left untouched, and they
+    ignore forwards run by other threads (the trainer's target worker may use the same model).
     """
     captured: dict[int, torch.Tensor] = {}
     layers = _decoder_layers(model)
     handles = []
+    me = threading.get_ident()
     for i in layer_ids:
         def hook(_mod, _inp, out, i=i):
-            captured[i] = out[0] if isinstance(out, (tuple, list)) else out
+            if threading.get_ident() == me:
+                captured[i] = out[0] if isinstance(out, (tuple, list)) else out
         handles.append(layers[i].register_forward_hook(hook))
     try:
         yield captured

@@ -188,10 +188,10 @@ def _split_chunk(qg, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, scale):
 @functools.cache
 def flex_available() -> bool:
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa
+        import torch.nn.attention.flex_attention as fa
     except Exception:  # older torch / stripped builds
         return False
-    return True
+    return hasattr(fa, "create_block_mask") and hasattr(fa, "flex_attention")
 
 
 @functools.cache

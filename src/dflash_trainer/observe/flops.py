@@ -104,7 +104,7 @@ class FlopsModel:
     @classmethod
     def from_configs(cls, target_cfg, target_layers_run: int, drafter_cfg, seq_len: float = 1024.0,
                      block_size: int | None = None) -> "FlopsModel":
-        """From an HF target config (or anything with the usual attribute names) and a DFlash config.
+        """From an HF target config (or anything with those attribute names) and a DFlash config.
 
         `target_layers_run` = last tapped layer + 1 (the target forward stops there).
         """

@@ -3,9 +3,9 @@
 Both collectors are best-effort and never raise from `collect()`: no NVML library, no driver, no
 GPU, or a metric the board does not support is a normal state (CI has none of them). Neither
 collector touches the CUDA stream or synchronises: NVML queries are host-side driver calls and
-`torch.cuda.memory_stats` copies a struct under the allocator mutex (docs/observability.md §2, §3.1).
+`torch.cuda.memory_stats` copies a struct under the allocator mutex (observability.md §2, §3.1).
 
-Key names follow docs/observability.md §7.2 and §7.6 (`gpu/{i}/...`, `mem/{i}/...`, i = CUDA ordinal).
+Key names follow observability.md §7.2 and §7.6 (`gpu/{i}/...`, `mem/{i}/...`, i = CUDA ordinal).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class NvmlCollector:
             if nvml is None:
                 import pynvml as nvml   # nvidia-ml-py
             nvml.nvmlInit()
-        except Exception as e:          # ImportError, NVMLError_LibraryNotFound/DriverNotLoaded, ...
+        except Exception as e:          # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded
             log.info("NVML unavailable (%s): GPU telemetry limited to the allocator", e)
             return
         self._nvml = nvml
@@ -174,7 +174,8 @@ class AllocatorCollector:
         self.available = bool(self._ordinals)
         self._prev_allocs: dict[int, tuple[float, int]] = {}
 
-    def collect(self, now: float | None = None, nvml_metrics: dict | None = None) -> dict[str, float]:
+    def collect(self, now: float | None = None,
+                nvml_metrics: dict | None = None) -> dict[str, float]:
         now = time.monotonic() if now is None else now
         out: dict[str, float] = {}
         for i in self._ordinals:

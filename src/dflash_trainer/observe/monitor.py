@@ -200,8 +200,9 @@ class Monitor:
             m[p + "items_per_s"] = d["gets"] / dt
             # A wait is added when the blocking call returns, so a producer blocked across the
             # whole window shows up in the next one.
-            m[p + "producer_blocked_frac"] = d["put_wait_ns"] / (win_ns * getattr(q, "producers", 1))
-            m[p + "consumer_starved_frac"] = d["get_wait_ns"] / (win_ns * getattr(q, "consumers", 1))
+            producers, consumers = getattr(q, "producers", 1), getattr(q, "consumers", 1)
+            m[p + "producer_blocked_frac"] = d["put_wait_ns"] / (win_ns * producers)
+            m[p + "consumer_starved_frac"] = d["get_wait_ns"] / (win_ns * consumers)
             if d["gets"] > 0:
                 m[p + "item_age_ms"] = d["age_ns_sum"] / d["gets"] / 1e6
                 waits = list(c.get_waits_ns)[-d["gets"]:]   # this window's waits (<= maxlen)
@@ -301,7 +302,7 @@ class Monitor:
         return [w.name for w in self.workers if now - w.last_progress > timeout_s]
 
     def log_event(self, record: dict[str, Any], step: int | None = None) -> None:
-        """One-off record (eval results, checkpoint saved). Values must be Python scalars/strings."""
+        """One-off record (eval results, checkpoint saved): Python numbers/strings only."""
         for k, v in record.items():
             if isinstance(v, torch.Tensor):
                 raise TypeError(f"log_event({k}=<tensor>): convert to a Python number where it is "

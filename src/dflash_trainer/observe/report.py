@@ -59,7 +59,11 @@ def _keys(rows: list[dict], pattern: str) -> list[str]:
 
 class _Report:
     def __init__(self, rows, events, out_dir: Path):
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError as e:
+            raise UserError("`dflash-trainer report` needs matplotlib: "
+                            "pip install 'dflash-trainer[metrics]' (or matplotlib)") from e
         matplotlib.use("Agg")              # no display; must precede pyplot import
         import matplotlib.pyplot as plt
         self.plt = plt
@@ -105,7 +109,8 @@ class _Report:
             return
         pos, means = [], []
         for k in keys:
-            vals = [r[k] for r in last if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
+            vals = [r[k] for r in last
+                    if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
             if vals:
                 pos.append(int(_ACC_RE.match(k)[1]))
                 means.append(sum(vals) / len(vals))

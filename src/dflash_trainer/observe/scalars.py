@@ -33,8 +33,9 @@ class ScalarRing:
         self._cuda = self.device.type == "cuda"
         # Pinned memory makes the D2H copy truly asynchronous; pageable + non_blocking silently
         # becomes a synchronous copy (docs/observability.md §8.1).
-        self._buf = torch.zeros(capacity, len(self.names), dtype=torch.float32, pin_memory=self._cuda)
-        self._np = self._buf.numpy()             # shares memory with _buf: reads dispatch no torch op
+        self._buf = torch.zeros(capacity, len(self.names), dtype=torch.float32,
+                                pin_memory=self._cuda)
+        self._np = self._buf.numpy()   # shares memory with _buf: reads dispatch no torch op
         self._rows = [self._buf[i] for i in range(capacity)]   # prebuilt views: no slicing per push
         self._steps = [0] * capacity
         self._events = ([torch.cuda.Event() for _ in range(capacity)] if self._cuda
@@ -54,6 +55,8 @@ class ScalarRing:
         if values.dim() != 1 or values.shape[0] != len(self.names):
             raise ValueError(f"ScalarRing.push expects shape [{len(self.names)}] for {self.names}, "
                              f"got {tuple(values.shape)}")
+        if isinstance(step, torch.Tensor):
+            raise TypeError("ScalarRing.push: step must be a Python int (int(tensor) syncs)")
         if values.is_cuda and not self._cuda:
             # A pageable D2H copy would block the worker: the ring must be built for CUDA.
             raise ValueError("ScalarRing built for a CPU device got a CUDA tensor; pass device=")

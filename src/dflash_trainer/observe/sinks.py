@@ -114,7 +114,7 @@ class JsonlSink(Sink):
 
 
 class TensorBoardSink(Sink):
-    """Event files in `{run_dir}/tb` via torch.utils.tensorboard (needs the `tensorboard` package)."""
+    """Event files in `{run_dir}/tb` via torch.utils.tensorboard (needs `tensorboard`)."""
 
     name = "tensorboard"
 
@@ -323,10 +323,10 @@ def build_sinks(metrics_cfg, run_dir: str | Path, config_dict: dict | None = Non
     if metrics_cfg.tensorboard:
         sinks.append(TensorBoardSink(run_dir))
     if metrics_cfg.wandb != "off" and os.environ.get("WANDB_MODE") != "disabled":
-        sinks.append(WandbSink(run_dir, mode=metrics_cfg.wandb, project=metrics_cfg.wandb_project,
-                               config=config_dict,
-                               init_timeout_s=getattr(metrics_cfg, "wandb_init_timeout_s", 30.0),
-                               finish_timeout_s=getattr(metrics_cfg, "wandb_finish_timeout_s", 30.0)))
+        sinks.append(WandbSink(
+            run_dir, mode=metrics_cfg.wandb, project=metrics_cfg.wandb_project, config=config_dict,
+            init_timeout_s=getattr(metrics_cfg, "wandb_init_timeout_s", 30.0),
+            finish_timeout_s=getattr(metrics_cfg, "wandb_finish_timeout_s", 30.0)))
     if metrics_cfg.console:
         sinks.append(ConsoleSink())
     return MultiSink(sinks)

@@ -64,11 +64,19 @@ class Worker(threading.Thread):
         self.threads = threads
         self.faults = faults
 
+    # Test hook: a callable(worker) -> context manager entered around the loop in this thread
+    # (the zero-sync test installs a TorchDispatchMode that counts host-reading ops).
+    thread_context = None
+
     def run(self) -> None:
         if self.threads > 0:
             torch.set_num_threads(self.threads)   # per-thread OpenMP team size on CPU
         try:
-            self.loop()
+            if Worker.thread_context is not None:
+                with Worker.thread_context(self):
+                    self.loop()
+            else:
+                self.loop()
             self.events.put(End(self.name))
         except Stopped:
             self.events.put(End(self.name))

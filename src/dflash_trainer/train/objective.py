@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # Paper A.1 (gamma per block size); other sizes use bs / 2.3, which reproduces 16 -> 6.96,
 # 10 -> 4.35, 8 -> 3.48 within rounding of the paper's choices.
@@ -180,7 +181,9 @@ def _chunk_ce(h, lm_head, labels, wm, need_grad=False):
     """h [B,n,k,H] -> (sum(w*mask*CE) 0-d, top-1 correct [B,n,k] bool, d sum / d h or None).
 
     The chunk's logits [B,n,k,V] exist only inside this call."""
-    with torch.enable_grad() if need_grad else torch.no_grad():
+    if isinstance(lm_head, nn.Linear) and lm_head.bias is None:
+        return _linear_ce(h, lm_head.weight, labels, wm, need_grad)
+    with torch.enable_grad() if need_grad else torch.no_grad():   # any frozen head module
         hh = h.detach().requires_grad_(need_grad)
         logits = lm_head(hh).float()
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
@@ -188,6 +191,27 @@ def _chunk_ce(h, lm_head, labels, wm, need_grad=False):
         correct = logits.argmax(dim=-1) == labels
         grad_h = torch.autograd.grad(num, hh)[0] if need_grad else None
     return num.detach(), correct, grad_h
+
+
+@torch.no_grad()
+def _linear_ce(h, weight, labels, wm, need_grad):
+    """Same as the generic path for a bias-free Linear head, with the CE gradient written by hand
+    (softmax - onehot, weighted) into the logits buffer in place: one [rows, V] fp32 buffer at
+    the peak instead of four (logits, log_softmax, its grad, the logits grad)."""
+    x = h.reshape(-1, h.shape[-1])
+    lab, w = labels.reshape(-1, 1), wm.reshape(-1, 1)
+    logits = F.linear(x, weight).float()                     # F.linear follows autocast
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    num = ((lse - logits.gather(1, lab)) * w).sum()
+    correct = (logits.argmax(dim=-1, keepdim=True) == lab).view_as(labels)
+    grad_h = None
+    if need_grad:
+        g = logits.sub_(lse).exp_().mul_(w)                  # w * softmax, in place
+        g.scatter_add_(1, lab, -w)                           # - w * onehot(label)
+        cdt = x.dtype if not torch.is_autocast_enabled(x.device.type) \
+            else torch.get_autocast_dtype(x.device.type)
+        grad_h = torch.matmul(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
+    return num, correct, grad_h
 
 
 class _ChunkCE(torch.autograd.Function):

@@ -33,6 +33,18 @@ class TargetStep:
         self.drafter_device = torch.device(drafter_device)
         self.feature_dtype = feature_dtype
         self.stream = torch.cuda.Stream(self.device) if _is_cuda(self.device) else None
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def _causal_mask(self, seq_len: int) -> torch.Tensor:
+        """[1, 1, S, S] additive causal mask (0 / dtype min), cached per length. Additive, not
+        boolean, so eager and SDPA attention read it the same way."""
+        m = self._masks.get(seq_len)
+        if m is None:
+            dtype = self.target.dtype
+            m = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype,
+                           device=self.device).triu(1)[None, None]
+            self._masks[seq_len] = m
+        return m
 
     def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
         b: Batch = item.batch
@@ -40,9 +52,13 @@ class TargetStep:
         with ctx:
             t0 = time.perf_counter_ns()
             ids = b.input_ids.to(self.device, non_blocking=True)
-            attn = b.attention_mask.to(self.device, non_blocking=True)
             t1 = time.perf_counter_ns()
-            feats = self.target.features(ids, attn)
+            # A plain causal mask on purpose: batches are right-padded, so under causal
+            # attention no real token ever sees a pad, and pad positions are never anchors nor
+            # visible context (kv < anchor <= last real token). Given a 2-D padding mask, or
+            # none, HF inspects it on the host (`padding_mask.all()`, packed-sequence detection:
+            # device syncs); a prepared 4-D mask is used as is.
+            feats = self.target.features(ids, self._causal_mask(ids.shape[1]))
             t2 = time.perf_counter_ns()
             feats = feats.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
             ids_d = ids.to(self.drafter_device, non_blocking=True)
@@ -109,10 +125,11 @@ class DrafterStep:
         if stepped:
             grad_norm, _ = self.guard(out.loss)
             self.sched.step()
-            vec = torch.cat([out.metrics.detach().float().reshape(-1),
-                             grad_norm.float().reshape(1), self.guard.skipped.reshape(1),
-                             self.guard.consecutive.reshape(1)])
-            self.ring.push(step + 1, vec)
+            if self.ring is not None:       # None only when observability is switched off
+                vec = torch.cat([out.metrics.detach().float().reshape(-1),
+                                 grad_norm.float().reshape(1), self.guard.skipped.reshape(1),
+                                 self.guard.consecutive.reshape(1)])
+                self.ring.push(step + 1, vec)
             if counters is not None:
                 counters.gauges["lr"] = self.sched.get_last_lr()[0]
         t3 = time.perf_counter_ns()

@@ -1,0 +1,186 @@
+"""Pipeline throughput on the embedded target, as ratios measured side by side in one run.
+
+Rows (each a median over paired repeats, runs interleaved so machine noise hits all alike):
+  pipelined / sequential        our two schedules, same step functions, same batches
+  pipelined / colocated loop    a plain loop written the way existing DFlash trainers are:
+                                HF forward with output_hidden_states, then the drafter step,
+                                `.item()` logging every step, batches built inline
+  observability on / off        the full monitor + sinks + metrics ring vs none of it
+  pipelined / stage bound       achieved vs min(isolated target rate, isolated drafter rate),
+                                each stage measured alone with the threads it gets in the pipeline
+
+Run: .venv/bin/python bench/bench_pipeline.py [--quick] [--json OUT]
+Needs the embedded target (`make setup`); the data are random token sequences of realistic
+lengths (throughput does not depend on the token values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_trainer.config import load_config
+from dflash_trainer.data.batching import plan_epoch
+from dflash_trainer.data.chat import TokenizedDataset
+from dflash_trainer.data.prefetcher import build_batch
+from dflash_trainer.models.target import TargetModel
+from dflash_trainer.trainer import build_drafter, thread_split, train
+from dflash_trainer.train.objective import DFlashObjective
+from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
+
+
+def synthetic_dataset(n: int, vocab: int, seed: int = 0) -> TokenizedDataset:
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(220), 0.5, n), 48, 512).astype(int)
+    ids, masks = [], []
+    for L in lengths:
+        prompt = max(8, int(L * 0.3))
+        ids.append(rng.integers(3, vocab, L).astype(np.int32))
+        m = np.zeros(L, np.uint8)
+        m[prompt:] = 1
+        masks.append(m)
+    return TokenizedDataset(ids, masks, [f"b{i}" for i in range(n)])
+
+
+def make_cfg(run_dir: str, steps: int, schedule: str, extra=()):
+    return load_config("smollm2-cpu", None, [
+        f"--run_dir={run_dir}", f"--optim.max_steps={steps}", "--optim.epochs=50",
+        f"--pipeline.schedule={schedule}", "--metrics.wandb=off", "--metrics.console=false",
+        "--metrics.tensorboard=false", "--checkpoint.keep_last=1", *extra])
+
+
+def run_ours(target, ds, steps, schedule, observe=True, extra=()) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        cfg = make_cfg(d, steps, schedule, extra)
+        r = train(cfg, target=target, train_set=ds, observe=observe)
+        return r.tokens / r.wall_s
+
+
+def run_colocated(target, ds, steps) -> float:
+    """The baseline loop: what a user would write without a pipeline."""
+    with tempfile.TemporaryDirectory() as d:
+        cfg = make_cfg(d, steps, "sequential")
+        torch.set_num_threads(cfg.pipeline.cpu_threads or os.cpu_count())
+        drafter = build_drafter(cfg, target, "cpu")
+        obj = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors, 0.0,
+                              drafter.config.mask_token_id, cfg.drafter.loss_chunk_blocks)
+        opt = build_optimizer(drafter.parameters(), cfg.optim)
+        sched = build_scheduler(opt, cfg.optim, steps)
+        gen = torch.Generator().manual_seed(0)
+        plan = plan_epoch(ds.lengths, cfg.batching, 0)
+        tokens, t0 = 0, time.perf_counter()
+        for i in range(steps):
+            b = build_batch(ds, plan[i % len(plan)], cfg.batching.pad_multiple, 0)
+            with torch.no_grad():
+                out = target.model(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                                   output_hidden_states=True)
+                feats = torch.cat([out.hidden_states[j + 1] for j in target.layer_ids], -1)
+            feats = feats.float()
+            res = obj(drafter, target.embed_weight, target.lm_head, feats, b.input_ids,
+                      b.loss_mask, gen)
+            res.loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            print(f"\r  colocated step {i} loss {res.loss.item():.3f}", end="", file=sys.stderr)
+            tokens += b.num_real_tokens
+        print(file=sys.stderr)
+        return tokens / (time.perf_counter() - t0)
+
+
+def isolated_rates(target, ds, steps) -> tuple[float, float]:
+    """Each stage alone, with the threads it gets in the pipelined schedule."""
+    with tempfile.TemporaryDirectory() as d:
+        cfg = make_cfg(d, steps, "pipelined")
+    t_thr, d_thr = thread_split(cfg)
+    plan = plan_epoch(ds.lengths, cfg.batching, 0)
+    batches = [build_batch(ds, plan[i % len(plan)], cfg.batching.pad_multiple, 0)
+               for i in range(steps)]
+    torch.set_num_threads(t_thr)
+    target.features(batches[0].input_ids, batches[0].attention_mask)     # warm-up
+    t0 = time.perf_counter()
+    feats = [target.features(b.input_ids, b.attention_mask).float() for b in batches]
+    t_rate = sum(b.num_real_tokens for b in batches) / (time.perf_counter() - t0)
+    torch.set_num_threads(d_thr)
+    drafter = build_drafter(cfg, target, "cpu")
+    obj = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors, 0.0,
+                          drafter.config.mask_token_id, cfg.drafter.loss_chunk_blocks)
+    opt = build_optimizer(drafter.parameters(), cfg.optim)
+    guard = GuardedStep(opt, drafter.parameters(), 1.0, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+
+    def dstep(b, f):
+        res = obj(drafter, target.embed_weight, target.lm_head, f, b.input_ids, b.loss_mask, gen)
+        res.loss.backward()
+        guard(res.loss)
+
+    dstep(batches[0], feats[0])
+    t0 = time.perf_counter()
+    for b, f in zip(batches, feats):
+        dstep(b, f)
+    d_rate = sum(b.num_real_tokens for b in batches) / (time.perf_counter() - t0)
+    torch.set_num_threads(os.cpu_count())
+    return t_rate, d_rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    steps, repeats = (6, 1) if args.quick else (12, 3)
+    cfg = load_config("smollm2-cpu")
+    target = TargetModel.load(cfg.target, "cpu")
+    ds = synthetic_dataset(400, target.vocab_size)
+    # Warm-up (allocator, kernels) outside the measurement.
+    run_ours(target, ds, 2, "pipelined")
+    rows: dict[str, list[float]] = {k: [] for k in
+                                    ("pipelined", "sequential", "colocated", "obs_off")}
+    for r in range(repeats):
+        rows["pipelined"].append(run_ours(target, ds, steps, "pipelined"))
+        rows["sequential"].append(run_ours(target, ds, steps, "sequential"))
+        rows["colocated"].append(run_colocated(target, ds, steps))
+        rows["obs_off"].append(run_ours(target, ds, steps, "pipelined", observe=False))
+        print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rows.items()),
+              file=sys.stderr)
+    t_rate, d_rate = isolated_rates(target, ds, steps)
+    bound = min(t_rate, d_rate)
+
+    def ratio(a, b):
+        rs = [x / y for x, y in zip(rows[a], rows[b])]
+        return {"median": statistics.median(rs), "min": min(rs), "max": max(rs)}
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    result = {
+        "machine": f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
+        "tokens_per_s": med,
+        "pipelined_vs_sequential": ratio("pipelined", "sequential"),
+        "pipelined_vs_colocated": ratio("pipelined", "colocated"),
+        "observability_on_vs_off": ratio("pipelined", "obs_off"),
+        "isolated_target_tok_s": t_rate, "isolated_drafter_tok_s": d_rate,
+        "pipelined_vs_stage_bound": med["pipelined"] / bound,
+        "steps_per_run": steps, "repeats": repeats,
+    }
+    print("\n| comparison | ratio (median, min-max) |\n|---|---|")
+    for k in ("pipelined_vs_sequential", "pipelined_vs_colocated", "observability_on_vs_off"):
+        v = result[k]
+        print(f"| {k} | {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f}) |")
+    print(f"| pipelined_vs_stage_bound | {result['pipelined_vs_stage_bound']:.3f} "
+          f"(target alone {t_rate:.0f} tok/s, drafter alone {d_rate:.0f} tok/s) |")
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
