@@ -24,6 +24,7 @@ from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.export import export_drafter
+from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
@@ -215,6 +216,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
 
     trainer = Trainer(step_fn=drafter_step, state=state, max_steps=total_steps)
     trainer.on_step_end = on_step_end
+    trainer.queries_per_row = cfg.drafter.num_anchors * cfg.drafter.block_size
 
     # ---- threads
     events: queue.Queue = queue.Queue()
@@ -260,7 +262,10 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                       rings={"drafter": recorder},
                       devices=sorted({torch.device(d) for d in p.target_devices}
                                      | {drafter_device}, key=str),
-                      flops=None, rank=rank)
+                      flops=FlopsModel.from_configs(
+                          target.model.config, max(target.layer_ids) + 1, drafter.config,
+                          seq_len=float(train_set.lengths.mean())),
+                      rank=rank)
     bar = _progress_bar(cfg, total_steps, start_steps) if observe else None
 
     def on_tick():

@@ -138,6 +138,7 @@ class Trainer:
         self.max_steps = max_steps
         self.on_step_end = on_step_end          # callable(step) for checkpoint/eval; may be None
         self.ledger: list[tuple[int, list[int]]] = []   # (epoch, sample ids) since last drain
+        self.queries_per_row = 0                # anchors x block size (drafter FLOP counting)
 
     def consume(self, hb: HiddenBatch, counters: WorkerCounters) -> bool:
         """Train on one HiddenBatch. Returns False when max_steps is reached."""
@@ -154,6 +155,7 @@ class Trainer:
         counters.items += int(hb.sample_ids.numel())
         counters.tokens += hb.num_real_tokens
         counters.padded_tokens += int(hb.input_ids.numel())
+        counters.query_tokens += hb.input_ids.shape[0] * self.queries_per_row
         counters.gauges["epoch"] = float(hb.epoch)
         if stepped:
             self.state.step += 1

@@ -1,0 +1,91 @@
+"""Achieved FLOP/s of the target forward and the drafter step vs the measured matmul peak of the
+same threads (the CPU's practical limit), on the embedded target. Ratios from one run.
+
+Run: .venv/bin/python bench/bench_flops.py [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from dflash_trainer.config import load_config
+from dflash_trainer.models.target import TargetModel
+from dflash_trainer.observe.flops import FlopsModel
+from dflash_trainer.train.objective import DFlashObjective
+from dflash_trainer.trainer import build_drafter
+
+
+def matmul_peak(dtype, n=2048, reps=8) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def timed(fn, reps):
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    cfg = load_config("smollm2-cpu")
+    target = TargetModel.load(cfg.target, "cpu")
+    drafter = build_drafter(cfg, target, "cpu")
+    fm = FlopsModel.from_configs(target.model.config, max(target.layer_ids) + 1, drafter.config,
+                                 seq_len=a.seq)
+    B, S = a.batch, a.seq
+    ids = torch.randint(3, target.vocab_size, (B, S))
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    mask[:, S // 4:] = True
+    peaks = {d: matmul_peak(d) for d in (torch.float32, torch.bfloat16)}
+
+    t_target = timed(lambda: target.features(ids), 2)
+    target_tflops = B * S * fm.target_flops_per_token(S) / t_target / 1e12
+
+    feats = target.features(ids).float()
+    obj = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors, 0.0,
+                          drafter.config.mask_token_id, cfg.drafter.loss_chunk_blocks)
+    gen = torch.Generator().manual_seed(0)
+
+    def dstep():
+        out = obj(drafter, target.embed_weight, target.lm_head, feats, ids, mask, gen)
+        out.loss.backward()
+        drafter.zero_grad(set_to_none=True)
+
+    t_drafter = timed(dstep, 2)
+    queries = B * cfg.drafter.num_anchors * cfg.drafter.block_size
+    d_flops = queries * fm.drafter_flops_per_query(S) + B * S * fm.drafter_flops_per_context_token()
+    drafter_tflops = d_flops / t_drafter / 1e12
+    t_dtype = target.dtype
+    stages = {
+        "target forward": {"dtype": str(t_dtype).replace("torch.", ""),
+                           "achieved_tflops": target_tflops, "peak_tflops": peaks[t_dtype]},
+        "drafter step": {"dtype": "float32", "achieved_tflops": drafter_tflops,
+                         "peak_tflops": peaks[torch.float32]},
+    }
+    for k, v in stages.items():
+        print(f"{k:15s} {v['achieved_tflops'] * 1e3:8.1f} GFLOP/s of {v['peak_tflops'] * 1e3:.1f}"
+              f" ({v['dtype']} matmul peak, {a.threads} threads): "
+              f"{v['achieved_tflops'] / v['peak_tflops']:.2f}")
+    print(json.dumps({"bench": "flops", "threads": a.threads, "batch": B, "seq": S,
+                      "stages": stages}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""`dflash-trainer bench` / `make bench`: every benchmark under bench/, one table.
+
+Each bench script prints a JSON summary as its last stdout line; an adapter here turns it into rows
+of (work, compared, ratio, min, max, note). Ratios are always measured side by side in one run of
+one script (this machine is shared and noisy); absolute figures are context only.
+Writes `bench/out/results.md` and `bench/out/results.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _bench_dir() -> Path:
+    here = Path(__file__).resolve().parents[2] / "bench"
+    return here if here.is_dir() else Path.cwd() / "bench"
+
+
+def _row(work, a, b, ratio, lo=None, hi=None, note=""):
+    return {"work": work, "compared": f"{a} vs {b}", "ratio": ratio,
+            "min": ratio if lo is None else lo, "max": ratio if hi is None else hi, "note": note}
+
+
+def rows_batching(s):
+    out = []
+    for budget in sorted({k.split("@")[1] for k in s if "@" in k}, key=int):
+        ours = s[f"ours@{budget}"]
+        for base in ("random_bs8", "random_bs1"):
+            b = s[f"{base}@{budget}"]
+            out.append(_row(f"padding efficiency, max_tokens {budget}", "ours", base,
+                            ours["padding_eff"] / b["padding_eff"],
+                            note=f"ours {ours['padding_eff']:.3f}, {base} {b['padding_eff']:.3f}"))
+            out.append(_row(f"bucket entropy (window 64), max_tokens {budget}", "ours", base,
+                            ours["bucket_entropy"] / b["bucket_entropy"],
+                            note=f"ours {ours['bucket_entropy']:.3f}, "
+                                 f"{base} {b['bucket_entropy']:.3f}"))
+    return out
+
+
+def rows_attention(s):
+    return [
+        _row("drafter train step (fwd+bwd), time", "split", "dense",
+             s["speedup_split_vs_dense"], note="speedup of split over dense"),
+        _row("drafter train step, peak step memory", "dense", "split",
+             s["step_mem_ratio_dense_over_split"], note="dense / split"),
+    ]
+
+
+def rows_taps(s):
+    return [
+        _row("target forward, forward memory", "output_hidden_states", "tapped hooks",
+             s["fwd_mem_ratio_hs_over_tapped"], note="how much more the HF way needs"),
+        _row("target forward, time", "tapped hooks", "output_hidden_states",
+             s["speedup_tapped_vs_hs"], note="speedup"),
+    ]
+
+
+def rows_pipeline(s):
+    out = []
+    for key, a, b in (("pipelined_vs_sequential", "pipelined", "sequential"),
+                      ("pipelined_vs_colocated", "pipelined", "plain colocated loop"),
+                      ("observability_on_vs_off", "observability on", "off")):
+        v = s[key]
+        out.append(_row("training throughput (tokens/s)", a, b, v["median"], v["min"], v["max"]))
+    out.append(_row("training throughput", "pipelined", "bound of isolated stages",
+                    s["pipelined_vs_stage_bound"],
+                    note=f"target alone {s['isolated_target_tok_s']:.0f} tok/s, drafter alone "
+                         f"{s['isolated_drafter_tok_s']:.0f} tok/s"))
+    return out
+
+
+def rows_flops(s):
+    return [_row(f"{k} achieved FLOP/s", k, f"measured {v['dtype']} matmul peak",
+                 v["achieved_tflops"] / v["peak_tflops"],
+                 note=f"{v['achieved_tflops'] * 1e3:.1f} of {v['peak_tflops'] * 1e3:.1f} GFLOP/s")
+            for k, v in s["stages"].items()]
+
+
+ADAPTERS = {
+    "bench_batching.py": (rows_batching, []),
+    "bench_attention.py": (rows_attention, ["--quick"]),
+    "bench_taps.py": (rows_taps, ["--quick"]),
+    "bench_flops.py": (rows_flops, []),
+    "bench_pipeline.py": (rows_pipeline, []),
+}
+
+
+def machine() -> str:
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU threads, {dev}, "
+            f"torch {torch.__version__}")
+
+
+def run_all(quick: bool = False, only: list[str] | None = None) -> list[dict]:
+    bdir = _bench_dir()
+    rows: list[dict] = []
+    for script, (adapter, quick_args) in ADAPTERS.items():
+        if only and script not in only:
+            continue
+        path = bdir / script
+        if not path.is_file():
+            print(f"bench: {script} missing, skipped", file=sys.stderr)
+            continue
+        cmd = [sys.executable, str(path)] + (quick_args if quick else [])
+        if quick and script == "bench_pipeline.py":
+            cmd.append("--quick")
+        print(f"bench: running {script} ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        took = time.monotonic() - t0
+        if p.returncode:
+            print(f"bench: {script} failed ({p.returncode}):\n{p.stderr[-2000:]}", file=sys.stderr)
+            rows.append(_row(script, "-", "-", float("nan"), note=f"FAILED rc={p.returncode}"))
+            continue
+        summary = json.loads(p.stdout.strip().splitlines()[-1])
+        for r in adapter(summary):
+            r["script"], r["seconds"] = script, round(took, 1)
+            rows.append(r)
+    return rows
+
+
+def to_markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| work | compared | ratio (median) | min-max | note |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['work']} | {r['compared']} | {r['ratio']:.3f} | "
+                     f"{r['min']:.3f}-{r['max']:.3f} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def bench_command(cfg, args) -> int:
+    rows = run_all(quick=getattr(args, "quick", False))
+    header = f"Benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}"
+    md = to_markdown(rows, header)
+    out = _bench_dir() / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(md)
+    (out / "results.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+    print(md)
+    return 0
