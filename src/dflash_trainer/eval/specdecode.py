@@ -369,7 +369,7 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
         # start+produced) has none yet and is slot 0 of the next block.
         _crop(cache, start + produced)
         if use_drafter:
-            ctx = taps[:, :produced]
+            ctx = taps[:, 1:produced + 1]
         last = posterior[produced - 1: produced]
         start += produced
         tc = clock()
