@@ -75,7 +75,8 @@ class OracleDrafter:
 
     def __init__(self, continuation, prompt_len, block_size, mask_id=V - 1, p_wrong=0.0,
                  ref_feats=None, seed=0):
-        self.cont, self.P, self.p_wrong, self.ref = list(continuation), prompt_len, p_wrong, ref_feats
+        self.cont, self.P = list(continuation), prompt_len
+        self.p_wrong, self.ref = p_wrong, ref_feats
         self.config = SimpleNamespace(block_size=block_size, mask_token_id=mask_id,
                                       target_layer_ids=list(LAYER_IDS))
         self.rng = random.Random(seed)
@@ -152,7 +153,6 @@ def test_hash_never_overflows_int64():
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_greedy_spec_equals_ar_and_hf_generate(kind):
     model = tiny_target(kind)
-    t = side(model)
     g = torch.Generator().manual_seed(1)
     n = 20
     for trial in range(4):
@@ -174,7 +174,6 @@ def test_greedy_spec_equals_ar_and_hf_generate(kind):
                 # the drafter saw every committed position once, in order (checked in the stub);
                 # the bonus of the last cycle never reaches it
                 assert dr.calls[0][0] == ids.shape[1]
-    del t
 
 
 def test_random_stub_drafter_lossless_with_real_lm_head():
@@ -279,6 +278,27 @@ def test_sampling_every_token_is_the_targets_sample(kind):
         other = ar_generate(model, ids, 24, temperature=0.9, top_p=0.95,
                             generator=torch.Generator().manual_seed(trial + 50))
         assert other.tokens != ar.tokens
+
+
+def test_sampling_matches_naive_no_cache_loop():
+    """Reference: recompute the whole sequence each step (no KV cache) and sample the token at
+    absolute position t with the key t. Pins the position keys, not just spec/AR agreement."""
+    model = tiny_target("qwen3", seed=9)
+    ids = torch.tensor([[7, 8, 9, 10, 11]])
+    seed = sd._draw_seed(torch.Generator().manual_seed(4))
+    seq = ids
+    for _ in range(12):
+        with torch.no_grad():
+            logits = model(seq).logits[0, -1:]
+        tok = choose_tokens(logits, [seq.shape[1]], 0.8, 0.9, seed)
+        seq = torch.cat([seq, tok.view(1, 1)], 1)
+    want = seq[0, ids.shape[1]:].tolist()
+    ar = ar_generate(model, ids, 12, 0.8, 0.9, generator=torch.Generator().manual_seed(4))
+    assert ar.tokens == want
+    dr = OracleDrafter(want, ids.shape[1], 16, p_wrong=0.3)
+    res = run_spec(model, dr, ids, 12, 4, temperature=0.8, top_p=0.9,
+                   generator=torch.Generator().manual_seed(4))
+    assert res.tokens == want
 
 
 def test_sampled_tokens_lie_in_top_p_support():
@@ -423,8 +443,8 @@ def test_matches_reference_dflash_generate(kind, tmp_path, monkeypatch):
             assert ours.tokens == r.output_ids[0, ids.shape[1]:].tolist()
             assert ours.acceptance_lengths == [int(x) for x in r.acceptance_lengths]
             ours_all.append(ours)
-            ref_all.append(GenResult(tokens=[], acceptance_lengths=[int(x) for x in r.acceptance_lengths],
-                                     accepted_drafts=[], block_sizes=[]))
+            ref_all.append(GenResult(tokens=[], accepted_drafts=[], block_sizes=[],
+                                     acceptance_lengths=[int(x) for x in r.acceptance_lengths]))
     ours_tau, ref_tau = summarize(ours_all, None, 8).tau, summarize(ref_all, None, 8).tau
     assert ours_tau == pytest.approx(ref_tau, rel=0.02)
     assert ours_tau > 1.2  # the comparison covered real acceptances, not only rejections
@@ -456,14 +476,15 @@ def test_load_prompt_file_errors(tmp_path):
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
-                 '{"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "x"}]}\n'
+                 '{"conversations": [{"from": "human", "value": "yo"}]}\n'
                  '\n{"id": "c", "messages": [{"role": "robot", "content": "hi"}]}\n')
     with pytest.raises(UserError, match=r"p\.jsonl:4: expected"):
         sd.load_prompt_file(f)
     f.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{bad\n')
     with pytest.raises(UserError, match=r"p\.jsonl:2: invalid JSON"):
         sd.load_prompt_file(f)
-    f.write_text('{"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "x"}]}\n')
+    f.write_text('{"conversations": [{"from": "human", "value": "yo"}, '
+                 '{"from": "gpt", "value": "x"}]}\n')
     assert sd.load_prompt_file(f) == [("p.jsonl:1", [{"role": "user", "content": "yo"},
                                                       {"role": "assistant", "content": "x"}])]
     with pytest.raises(UserError, match="does not exist"):
@@ -504,3 +525,24 @@ def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
     tm.layer_ids = [1, 3]
     with pytest.raises(UserError, match="target layers"):
         sd.eval_command(cfg, args)
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_random_drafter_lossless():
+    """The real embedded target (SmolLM2-135M, fp32) with a random-init drafter through evaluate."""
+    target_mod = pytest.importorskip("dflash_trainer.models.target")
+    drafter_mod = pytest.importorskip("dflash_trainer.models.drafter")
+    from dflash_trainer.config import load_config
+    from dflash_trainer.errors import UserError
+
+    cfg = load_config("smollm2-cpu", None, ["--target.dtype=float32"])
+    try:
+        t = target_mod.TargetModel.load(cfg.target, "cpu")
+    except UserError as e:
+        pytest.skip(f"embedded target unavailable: {e}")
+    torch.manual_seed(0)
+    drafter = drafter_mod.DFlashDrafter(drafter_mod.DFlashConfig.from_configs(cfg.drafter, t))
+    prompts = [sd._chat_ids(t.tokenizer, [{"role": "user", "content": q}], False)
+               for q in ("Name three colours.", "Write a haiku about rain.")]
+    s = evaluate(t, drafter, prompts, 16, 8, warmup=False)
+    assert s.lossless is True and s.num_responses == 2 and 1.0 <= s.tau <= 8.0

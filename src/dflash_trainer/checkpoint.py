@@ -39,15 +39,20 @@ class TrainState:
     epoch: int = 0                # epoch of the next batch to train
     consumed: list | None = None  # seq_nos of `epoch` already trained (any order)
     tokens: int = 0
+    # Sample ids of `epoch` already trained: lets a run on another world size re-plan the rest
+    # of the epoch over the samples no rank has seen (pipeline/distributed.py).
+    consumed_samples: list | None = None
 
     def to_json(self) -> dict:
         return {"step": self.step, "micro_step": self.micro_step, "epoch": self.epoch,
-                "consumed": sorted(self.consumed or []), "tokens": self.tokens}
+                "consumed": sorted(self.consumed or []), "tokens": self.tokens,
+                "consumed_samples": sorted(self.consumed_samples or [])}
 
     @classmethod
     def from_json(cls, d: dict) -> "TrainState":
         return cls(step=d["step"], micro_step=d["micro_step"], epoch=d["epoch"],
-                   consumed=list(d["consumed"]), tokens=d.get("tokens", 0))
+                   consumed=list(d["consumed"]), tokens=d.get("tokens", 0),
+                   consumed_samples=list(d.get("consumed_samples", [])))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -70,7 +75,10 @@ def ckpt_root(run_dir: str | Path) -> Path:
 
 
 def save_checkpoint(run_dir, *, drafter, optimizer, scheduler, generator: torch.Generator,
-                    state: TrainState, config: dict, keep_last: int, export_fn=None) -> Path:
+                    state: TrainState, config: dict, keep_last: int, export_fn=None,
+                    extra_meta: dict | None = None, extra_blob: dict | None = None) -> Path:
+    """`extra_meta` (JSON) joins state.json and `extra_blob` (tensors) optimizer.pt: the
+    per-rank states of a torchrun run (pipeline/distributed.py)."""
     root = ckpt_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:07d}"
@@ -83,10 +91,11 @@ def save_checkpoint(run_dir, *, drafter, optimizer, scheduler, generator: torch.
         weights = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
         save_file(weights, str(tmp / "drafter.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "generator": generator.get_state(), "torch_rng": torch.get_rng_state()},
+                    "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
+                    **(extra_blob or {})},
                    tmp / "optimizer.pt")
         _write_json(tmp / "state.json", {"train_state": state.to_json(), "config": config,
-                                          "format": 1})
+                                          "format": 1, **(extra_meta or {})})
         if export_fn is not None:
             export_fn(tmp / "export")
         for f in tmp.iterdir():

@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import traceback
+from pathlib import Path
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.config import ConfigError, help_text, list_presets, load_config, to_toml
@@ -77,12 +80,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _setup_console_logging() -> None:
+    """Console: INFO one-liners. Tracebacks and DEBUG detail go only to the run's log file
+    (trainer.setup_run_logging) or, before a run dir exists, to the fallback error log."""
+    root = logging.getLogger()
+    if not any(getattr(h, "_dflash_console", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setLevel(logging.INFO)
+        h.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(message)s", "%H:%M:%S"))
+        h._dflash_console = True
+        root.addHandler(h)
+    root.setLevel(logging.INFO)
+    logging.getLogger("dflash_trainer").setLevel(logging.DEBUG)
+
+
+def _write_traceback(cfg, exc: BaseException) -> Path:
+    """Full traceback (and a failed stage's own traceback) into the run log, never the console."""
+    run_dir = Path(cfg.run_dir) if cfg is not None else None
+    path = (run_dir / "train.log") if run_dir is not None and run_dir.is_dir() else \
+        Path(os.environ.get("DFLASH_TRAINER_CACHE", Path.home() / ".cache" / "dflash-trainer")) \
+        / "last-error.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(traceback.format_exception(exc)))
+        stage_tb = getattr(exc, "tb", "")
+        if stage_tb:
+            f.write("--- traceback of the failed stage ---\n" + stage_tb)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s",
-                        datefmt="%H:%M:%S")
+    _setup_console_logging()
+    cfg = None
     try:
         cfg = load_config(args.preset, args.config_file, rest)
         if args.command == "config":
@@ -96,8 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-trainer: config error: {e}", file=sys.stderr)
         return 2
     except UserError as e:
-        print(f"dflash-trainer: error: {e}", file=sys.stderr)
+        log_path = _write_traceback(cfg, e)
+        print(f"dflash-trainer: error: {e}\n(details: {log_path})", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("dflash-trainer: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one clear line; the traceback goes to the log file
+        log_path = _write_traceback(cfg, e)
+        print(f"dflash-trainer: failed: {type(e).__name__}: {e}\n(full traceback: {log_path})",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

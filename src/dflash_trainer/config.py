@@ -152,7 +152,11 @@ class PipelineConfig:
     precision: str = _f("auto", "drafter compute: auto = bf16 autocast on CUDA, fp32 on CPU",
                         choices=("auto", "fp32", "bf16"))
     fault: str = _f("", "test hook: 'STAGE:STEP[:hang|sigterm]' raises (or hangs, or sends "
-                    "SIGTERM) in STAGE (prefetch/target/drafter) at its step STEP")
+                    "SIGTERM) in STAGE (prefetch/target/drafter) at its step STEP; "
+                    "'STAGE@RANK:STEP' fires on that torchrun rank only")
+    collective_timeout_s: float = _f(120.0, "torchrun runs: timeout of every collective (DDP, "
+                                     "stop vote, checkpoint gather) and of the rendezvous",
+                                     unit="s", min=1.0)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -94,6 +94,7 @@ def setup_run_logging(run_dir: Path) -> logging.Handler:
     """Full tracebacks go to {run_dir}/train.log; the console gets one-line messages."""
     run_dir.mkdir(parents=True, exist_ok=True)
     h = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    h.setLevel(logging.DEBUG)
     h.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: "
                                      "%(message)s"))
     logging.getLogger().addHandler(h)

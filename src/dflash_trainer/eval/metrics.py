@@ -25,7 +25,7 @@ class EvalSummary:
     tau: float
     tau_token_weighted: float
     histogram: list[float]                   # [k-1] = share of cycles that committed k tokens
-    position_acceptance: list[float]         # [i-1] = share of cycles whose draft slot i was accepted
+    position_acceptance: list[float]         # [i-1] = share of cycles that accepted draft slot i
     tpot: float                              # seconds/token with the drafter (mean over responses)
     draft_share: float                       # drafter time / (drafter + verify) time
     ar_tpot: float | None = None             # seconds/token, AR baseline
@@ -57,7 +57,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 def position_acceptance(accepted: Sequence[int], block_sizes: Sequence[int],
                         block_size: int) -> list[float]:
-    """Per draft slot i (1..block_size-1): accepted in how many of the cycles that drafted slot i."""
+    """Per draft slot i (1..block_size-1): accepted in what share of the cycles that drafted it."""
     hits = [0] * (block_size - 1)
     seen = [0] * (block_size - 1)
     for a, q in zip(accepted, block_sizes):

@@ -14,8 +14,9 @@ The plain autoregressive baseline is the same loop with Q=1 and no drafter, so t
 like with like. Sampling (temperature > 0) uses the exact-match rule: a draft is accepted only if it
 equals the target's own sample at that position, so every emitted token is a target sample.
 The target's sample at absolute position t uses Gumbel noise keyed by (seed, t, token) (see
-`_position_noise`): sampling is then a pure function of the logits at t, which makes a spec run and an
-AR run with the same seed emit the same tokens: losslessness can be tested exactly, not statistically.
+`_position_noise`): sampling is then a pure function of the logits at t, which makes a spec run
+and an AR run with the same seed emit the same tokens: losslessness is tested exactly, not
+statistically.
 
 Per-cycle host syncs (`.tolist()`) are inherent here: the accepted length decides control flow. This
 module is eval-only; it never runs inside a training step except through `quick_acceptance`, which
@@ -85,7 +86,7 @@ class TargetSide:
 @dataclass
 class GenResult:
     tokens: list[int]                 # new tokens only (the prefill token included), stop id kept
-    acceptance_lengths: list[int]     # per cycle: tokens committed (accepted drafts + bonus), clipped
+    acceptance_lengths: list[int]     # per cycle: committed (accepted drafts + bonus), clipped
     accepted_drafts: list[int]        # per cycle: a, the accepted draft count before any clipping
     block_sizes: list[int]            # per cycle: Q, tokens verified (slot 0 + Q-1 drafts)
     prefill_time: float = 0.0         # seconds
@@ -118,7 +119,7 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without ever overflowing (signed overflow is UB)."""
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (signed overflow is UB)."""
     lo, hi = x & 0xFFFF, x >> 16
     return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
 
@@ -170,7 +171,7 @@ def _top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def choose_tokens(logits: torch.Tensor, positions: Sequence[int], temperature: float, top_p: float,
                   seed: int) -> torch.Tensor:
-    """The target's token at each position: argmax (T=0) or a position-keyed sample. logits [Q, V]."""
+    """The target's token per position: argmax (T=0) or a position-keyed sample. logits [Q, V]."""
     if temperature <= 0:
         return logits.argmax(-1)
     scaled = _top_p_logits(logits.float() / temperature, top_p)
@@ -183,7 +184,8 @@ def choose_tokens(logits: torch.Tensor, positions: Sequence[int], temperature: f
 # --------------------------------------------------------------------------------------------
 
 def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    decoder = (model.get_decoder() if hasattr(model, "get_decoder")
+               else getattr(model, "model", None))
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise UserError(f"target {type(model).__name__} has no decoder `.layers` list to tap; "
@@ -305,7 +307,7 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
             raise ValueError(f"drafter was trained on target layers {list(tl)}, but the target "
                              f"taps {target.layer_ids}")
         mask_id = int(dcfg.mask_token_id)
-        d_dtype = _dtype_of(drafter, embed_weight.dtype)  # type: ignore[arg-type]
+        d_dtype = _dtype_of(drafter, embed_weight.dtype)
         h_dtype = _dtype_of(lm_head, embed_weight.dtype)
     device = input_ids.device
     clock = _Clock(device)
@@ -326,7 +328,7 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
     res.prefill_time = t1 - t0
     dcache = drafter.new_cache() if use_drafter else None
 
-    last = first                      # [1] device tensor: the committed token the target hasn't seen
+    last = first                      # [1] device tensor: committed, not yet seen by the target
     start = p_len                     # its position
     res.stopped = res.tokens[0] in stop
     while not res.stopped and len(res.tokens) < max_new_tokens:
@@ -369,7 +371,7 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
         # start+produced) has none yet and is slot 0 of the next block.
         _crop(cache, start + produced)
         if use_drafter:
-            ctx = taps[:, 1:produced + 1]
+            ctx = taps[:, :produced]
         last = posterior[produced - 1: produced]
         start += produced
         tc = clock()
@@ -403,7 +405,7 @@ def _target_device(target: Any) -> torch.device:
 
 @contextmanager
 def _eval_mode(*modules: Any):
-    """Put modules in eval mode and restore their previous mode (the trainer's drafter is training)."""
+    """Put modules in eval mode, then restore their modes (the trainer's drafter is training)."""
     mods = [m for m in modules if isinstance(m, nn.Module)]
     was = [m.training for m in mods]
     try:
@@ -454,7 +456,7 @@ def evaluate(target: Any, drafter: Drafter, prompts: Sequence[Any], max_new_toke
 
 def quick_acceptance(target: Any, drafter: Drafter, prompts_token_ids: Sequence[Any],
                      max_new_tokens: int, block_size: int) -> dict[str, float]:
-    """Greedy acceptance length only (no baseline, no timing): cheap enough for the training loop."""
+    """Greedy acceptance length only (no baseline, no timing): cheap enough for training."""
     s = evaluate(target, drafter, prompts_token_ids, max_new_tokens, block_size, baseline=False,
                  warmup=False)
     return {"tau": s.tau, "tau_token_weighted": s.tau_token_weighted,
@@ -555,7 +557,8 @@ def eval_command(cfg: Any, args: Any) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     drafter_dir = Path(getattr(args, "drafter_path", None) or Path(cfg.run_dir) / "export")
     if not drafter_dir.is_dir():
-        raise UserError(f"no exported drafter at '{drafter_dir}'; train first or pass --drafter DIR.")
+        raise UserError(f"no exported drafter at '{drafter_dir}'; train first or pass "
+                        "--drafter DIR.")
     output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
     target = TargetModel.load(cfg.target, device)
     drafter = load_drafter(drafter_dir, device)

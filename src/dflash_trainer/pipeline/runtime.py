@@ -169,7 +169,8 @@ class Supervisor:
                     break
         self.shutdown()
         if failure is not None:
-            log.error("%s\n%s", failure, failure.tb)
+            log.error("%s", failure)
+            log.debug("traceback of %s:\n%s", failure.stage, failure.tb)
             raise failure
         return RunOutcome(reason=reason, wall_s=time.monotonic() - t_start)
 

@@ -26,15 +26,20 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    """`STAGE:STEP[:KIND]`: when STAGE's step counter reaches STEP, raise (default), `hang`, or
-    send this process a `sigterm` (tests the graceful-stop path end to end)."""
+    """`STAGE[@RANK]:STEP[:KIND]`: when STAGE's step counter reaches STEP, raise (default), `hang`,
+    or send this process a `sigterm` (tests the graceful-stop path end to end). With `@RANK` it
+    fires only in that torchrun rank."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, rank: int = 0):
         self.stage, self.step, self.kind = None, -1, "raise"
         if spec:
             parts = spec.split(":")
             self.stage, self.step = parts[0], int(parts[1])
             self.kind = parts[2] if len(parts) > 2 else "raise"
+            if "@" in self.stage:
+                self.stage, only = self.stage.split("@", 1)
+                if int(only) != rank:
+                    self.stage = None
 
     def check(self, stage: str, step: int, stop: threading.Event) -> None:
         if self.stage is None or not stage.startswith(self.stage) or step != self.step:
@@ -138,6 +143,12 @@ class Trainer:
         self.max_steps = max_steps
         self.on_step_end = on_step_end          # callable(step) for checkpoint/eval; may be None
         self.ledger: list[tuple[int, list[int]]] = []   # (epoch, sample ids) since last drain
+        if self.state.consumed_samples is None:
+            self.state.consumed_samples = []
+        # torchrun: callable() -> bool run after every optimizer step on every rank (a collective:
+        # all ranks stop after the same step); True = stop now. None in a single process.
+        self.stop_vote = None
+        self.stopped_by_vote = False
         self.queries_per_row = 0                # anchors x block size (drafter FLOP counting)
 
     def consume(self, hb: HiddenBatch, counters: WorkerCounters) -> bool:
@@ -145,13 +156,16 @@ class Trainer:
         if hb.epoch != self.state.epoch:
             # First batch of a new epoch: the previous one is complete.
             self.state.epoch, self.state.consumed = hb.epoch, []
+            self.state.consumed_samples = []
         t0 = time.perf_counter_ns()
         stepped = self.step_fn(hb, self.state.step, counters)
         counters.busy_ns += time.perf_counter_ns() - t0
         self.state.consumed.append(hb.seq_no)
         self.state.micro_step += 1
         self.state.tokens += hb.num_real_tokens
-        self.ledger.append((hb.epoch, hb.sample_ids.tolist()))   # CPU tensor: no device sync
+        ids = hb.sample_ids.tolist()                              # CPU tensor: no device sync
+        self.ledger.append((hb.epoch, ids))
+        self.state.consumed_samples.extend(ids)
         counters.items += int(hb.sample_ids.numel())
         counters.tokens += hb.num_real_tokens
         counters.padded_tokens += int(hb.input_ids.numel())
@@ -162,6 +176,10 @@ class Trainer:
             counters.steps += 1
             if self.on_step_end is not None:
                 self.on_step_end(self.state.step)
+            if self.stop_vote is not None and self.stop_vote():
+                self.stopped_by_vote = True
+                counters.beat()
+                return False
         counters.beat()
         return not (self.max_steps and self.state.step >= self.max_steps)
 

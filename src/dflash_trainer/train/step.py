@@ -114,14 +114,19 @@ class DrafterStep:
         t0 = time.perf_counter_ns()
         ac = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
               else contextlib.nullcontext())
-        with ac:
-            out = self.objective(self.drafter, self.embed_weight, self.lm_head, hb.features,
-                                 hb.input_ids, hb.loss_mask, self.generator)
-        t1 = time.perf_counter_ns()
-        (out.loss / self.grad_accum).backward()
+        stepped = (self.micro + 1) % self.grad_accum == 0
+        # DDP: only the micro-step that completes an optimizer step all-reduces gradients; the
+        # others accumulate locally (forward and backward must both run inside no_sync).
+        no_sync = getattr(self.drafter, "no_sync", None)
+        sync_ctx = no_sync() if (no_sync is not None and not stepped) else contextlib.nullcontext()
+        with sync_ctx:
+            with ac:
+                out = self.objective(self.drafter, self.embed_weight, self.lm_head, hb.features,
+                                     hb.input_ids, hb.loss_mask, self.generator)
+            t1 = time.perf_counter_ns()
+            (out.loss / self.grad_accum).backward()
         t2 = time.perf_counter_ns()
         self.micro += 1
-        stepped = self.micro % self.grad_accum == 0
         if stepped:
             grad_norm, _ = self.guard(out.loss)
             self.sched.step()

@@ -1,0 +1,409 @@
+"""Scale-out with torchrun: one process per cell, DDP over the drafter replicas.
+
+A *cell* is one process: one drafter device plus k target devices, running the usual threaded
+pipeline (runtime.py). Cells talk to each other through three channels, each chosen so that no
+rank can wait on another forever:
+
+| channel                         | used for                                   | from which thread      |
+|---------------------------------|--------------------------------------------|------------------------|
+| default group (NCCL / gloo)     | DDP gradient all-reduce (final micro-step) | drafter thread          |
+| `ctrl` group (always gloo, CPU) | stop vote per optimizer step; checkpoint    | drafter thread; main    |
+|                                 | gather (states, RNG, ledger) to rank 0      | thread after it ends    |
+| the rendezvous TCPStore         | metric snapshots (set by every rank, read   | main thread (monitor    |
+|                                 | by rank 0), first failure, never blocking   | tick), non-blocking     |
+
+Why the monitor does not use a collective: monitor ticks are time-based, so a collective issued
+from them cannot be matched across ranks (rank 0's 7th tick is not rank 1's 7th tick). Each rank
+instead `set`s a JSON snapshot under its own key and rank 0 reads whatever is there (`check` +
+`get`); a slow rank shows up as a stale snapshot, never as a hang.
+
+Stop agreement: a SIGTERM reaches ranks at different times, and DDP needs every rank to run the
+same number of optimizer steps. After every optimizer step each rank contributes its local
+"please stop" flag (signal received) to a MAX all-reduce of one CPU int on the gloo `ctrl` group
+(host only: no device sync). All ranks see the same result after the same step and stop there.
+
+Failure: the first rank that fails writes "rank R: <error>" to the store (first writer wins, by
+`store.add`). Every rank's supervisor checks that key once per tick and stops naming that rank;
+a rank whose own collective broke (its peer exited) reports the peer's message if one is there.
+Collectives have `pipeline.collective_timeout_s`, so a hung peer ends the wait; torchrun also
+tears the other ranks down when one exits non-zero. A failed rank leaves with `os._exit(1)` so
+that a thread still inside a collective cannot keep the process alive.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.pipeline.messages import StageFailure
+from dflash_trainer.pipeline.runtime import StageError
+
+log = logging.getLogger(__name__)
+
+_FAILURE_KEY = "failure"
+_FAILURE_COUNT = "failure_count"
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed first; the message names it."""
+
+
+# ------------------------------------------------------------------------------- device layout
+_CUDA = re.compile(r"^cuda(?::(\d+))?$")
+
+
+def cell_layout(drafter_device: str, target_devices: list[str], cpu_threads: int,
+                local_rank: int, local_world_size: int) -> tuple[str, list[str], int]:
+    """This local rank's (drafter device, target devices, cpu threads).
+
+    CUDA rule: the config names the devices of cell 0; cell size = highest CUDA index named + 1;
+    local rank r adds r x cell size to every CUDA index. E.g. drafter cuda:0, targets cuda:1..3
+    (cell size 4): rank 0 uses cuda:0..3, rank 1 cuda:4..7. CPU devices are shared by all cells,
+    and the CPU thread budget (`pipeline.cpu_threads`, 0 = all cores) is split evenly among the
+    local ranks so that cells do not oversubscribe the cores.
+    """
+    named = [drafter_device, *target_devices]
+    idx = []
+    for d in named:
+        m = _CUDA.match(d)
+        if m:
+            idx.append(int(m.group(1) or 0))
+    cell = max(idx) + 1 if idx else 0
+
+    def shift(d: str) -> str:
+        m = _CUDA.match(d)
+        return f"cuda:{int(m.group(1) or 0) + local_rank * cell}" if m else d
+
+    total = cpu_threads or os.cpu_count() or 1
+    threads = max(1, total // max(1, local_world_size))
+    return shift(drafter_device), [shift(d) for d in target_devices], threads
+
+
+def localize_config(cfg, local_rank: int, local_world_size: int):
+    """A copy of `cfg` with this cell's devices and thread budget (see `cell_layout`)."""
+    out = copy.deepcopy(cfg)
+    p = out.pipeline
+    d, t, threads = cell_layout(p.drafter_device, list(p.target_devices), p.cpu_threads,
+                                local_rank, local_world_size)
+    cuda_needed = [x for x in [d, *t] if x.startswith("cuda")]
+    if cuda_needed:
+        have = torch.cuda.device_count()
+        worst = max(int(x.split(":")[1]) for x in cuda_needed)
+        if worst >= have:
+            raise UserError(
+                f"local rank {local_rank} needs {worst + 1} CUDA devices (cell of "
+                f"pipeline.drafter_device={p.drafter_device!r} + pipeline.target_devices="
+                f"{list(p.target_devices)} offset by local_rank x cell size) but {have} are "
+                "visible; lower --nproc-per-node or name fewer devices per cell.")
+    p.drafter_device, p.target_devices, p.cpu_threads = d, t, threads
+    return out
+
+
+# ------------------------------------------------------------------------------- context
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    timeout_s: float
+    store: object = None                 # PrefixStore over the rendezvous store
+    ctrl: object = None                  # gloo group: votes, gathers
+    _seq: int = 0
+    _hb: dict = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- DDP
+    def ddp_wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """DDP over the drafter replicas. Construction broadcasts rank 0's parameters, so every
+        replica starts identical even if seeding differed. Buffers (RoPE tables) are derived
+        from the config, identical everywhere: no per-forward broadcast."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dev = next(module.parameters()).device
+        return DDP(module, device_ids=[dev] if dev.type == "cuda" else None,
+                   broadcast_buffers=False, gradient_as_bucket_view=True)
+
+    # ---- collectives on the gloo control group (CPU tensors only: never a device sync)
+    def agree_stop(self, local_stop: bool) -> bool:
+        flag = torch.tensor([1 if local_stop else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return bool(flag[0])
+
+    def gather_to_main(self, obj):
+        """Every rank's `obj` (picklable) as a list on rank 0; None elsewhere."""
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self.ctrl)
+        return out
+
+    # ---- failures (store: first writer wins)
+    def report_failure(self, message: str) -> None:
+        try:
+            if self.store.add(_FAILURE_COUNT, 1) == 1:
+                self.store.set(_FAILURE_KEY, f"rank {self.rank}: {message}")
+        except Exception as e:  # the store host may be gone already
+            log.warning("could not publish the failure to the other ranks: %s", e)
+
+    def peer_failure(self) -> str | None:
+        """The first failure any rank reported, unless it was this rank's."""
+        try:
+            if not self.store.check([_FAILURE_KEY]):
+                return None
+            msg = self.store.get(_FAILURE_KEY).decode()
+        except Exception as e:  # the store lives in rank 0 (or the torchrun agent)
+            return f"rank 0 (rendezvous store host): unreachable ({type(e).__name__}: {e})"
+        return None if msg.startswith(f"rank {self.rank}:") else msg
+
+    def explain_failure(self, err: BaseException) -> BaseException:
+        """Called when this rank's pipeline failed: name the rank that failed first."""
+        peer = self.peer_failure()
+        if peer is not None:
+            who = peer.split(":", 1)[0].replace(" ", "")
+            e = StageError(who, f"{peer} (rank {self.rank} stopped because of it: {err})")
+            e.__cause__ = err
+            return e
+        self.report_failure(str(err))
+        return err
+
+    def check_peers(self, events) -> None:
+        """Main thread, once per tick: a peer failure becomes a StageFailure on `events`, so the
+        supervisor stops this rank through its ordinary failure path."""
+        peer = self.peer_failure()
+        if peer is not None and not self._hb.get("reported"):
+            self._hb["reported"] = True
+            who = peer.split(":", 1)[0].replace(" ", "")
+            events.put(StageFailure.capture(who, PeerFailure(peer)))
+
+    # ---- metrics (store, non-blocking)
+    def publish(self, snapshot: dict) -> None:
+        self._seq += 1
+        snapshot = dict(snapshot, rank=self.rank, seq=self._seq)
+        try:
+            self.store.set(f"metrics/{self.rank}", json.dumps(snapshot))
+        except Exception as e:
+            if not self._hb.get("publish_warned"):
+                self._hb["publish_warned"] = True
+                log.warning("metrics snapshot not published (%s); later failures not reported", e)
+
+    def snapshots(self) -> dict[int, dict]:
+        out = {}
+        for r in range(self.world_size):
+            key = f"metrics/{r}"
+            try:
+                if self.store.check([key]):
+                    out[r] = json.loads(self.store.get(key).decode())
+            except Exception:  # noqa: BLE001 - best effort, like every collector
+                continue
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_from_env(pipeline_cfg) -> DistContext | None:
+    """Join the torchrun job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+    None when WORLD_SIZE is unset or 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    timeout_s = float(pipeline_cfg.collective_timeout_s)
+    timeout = timedelta(seconds=timeout_s)
+    drafter_dev, _, _ = cell_layout(pipeline_cfg.drafter_device, list(pipeline_cfg.target_devices),
+                                    pipeline_cfg.cpu_threads, local_rank, local_world)
+    backend = "nccl" if drafter_dev.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(drafter_dev))
+    # Our own rendezvous (same as init_method="env://") so that we keep the store for metrics.
+    store, rank, world = next(dist.rendezvous("env://", rank=rank, world_size=world,
+                                              timeout=timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    # A group of its own even on CPU: votes and gathers never queue behind DDP's buckets.
+    ctrl = dist.new_group(backend="gloo", timeout=timeout)
+    ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank,
+                      local_world_size=local_world, backend=backend, timeout_s=timeout_s,
+                      store=dist.PrefixStore("dflash/", store), ctrl=ctrl)
+    log.info("rank %d/%d (local %d/%d): %s, drafter on %s", rank, world, local_rank, local_world,
+             backend, drafter_dev)
+    return ctx
+
+
+# ------------------------------------------------------------------------------- metrics merge
+_SUMS = ("tokens", "steps", "micro_steps")
+_PER_RANK = {"step_ms": "prof/{drafter}/host_step_ms", "drafter_tok_s": "tput/drafter_tok_s",
+             "target_tok_s": "tput/target_tok_s", "balance": "tput/balance"}
+
+
+def rank_snapshot(state, latest: dict, final: bool = False) -> dict:
+    """What one rank publishes: exact cumulative counters + its latest per-rank figures."""
+    snap = {"tokens": int(state.tokens), "steps": int(state.step),
+            "micro_steps": int(state.micro_step), "final": bool(final),
+            "time": time.time()}
+    for name, key in _PER_RANK.items():
+        for drafter in ("drafter0", "sequential0"):
+            v = latest.get(key.format(drafter=drafter))
+            if v is not None:
+                snap[name] = float(v)
+                break
+    return snap
+
+
+def merge_snapshots(snaps: dict[int, dict], world_size: int) -> dict[str, float]:
+    """Sums for counters; min/max/mean and the rank of the min/max for per-rank figures."""
+    m: dict[str, float] = {"dist/world_size": float(world_size),
+                           "dist/ranks_reporting": float(len(snaps))}
+    if not snaps:
+        return m
+    for k in _SUMS:
+        m[f"dist/{k}_total"] = float(sum(s.get(k, 0) for s in snaps.values()))
+    steps = [s.get("steps", 0) for s in snaps.values()]
+    m["dist/steps_spread"] = float(max(steps) - min(steps))
+    for name in _PER_RANK:
+        vals = {r: s[name] for r, s in snaps.items() if name in s}
+        if not vals:
+            continue
+        lo = min(vals, key=vals.get)
+        hi = max(vals, key=vals.get)
+        m[f"dist/{name}/min"], m[f"dist/{name}/min_rank"] = vals[lo], float(lo)
+        m[f"dist/{name}/max"], m[f"dist/{name}/max_rank"] = vals[hi], float(hi)
+        m[f"dist/{name}/mean"] = sum(vals.values()) / len(vals)
+    if "dist/drafter_tok_s/mean" in m:
+        m["dist/tput/drafter_tok_s"] = m["dist/drafter_tok_s/mean"] * len(
+            [s for s in snaps.values() if "drafter_tok_s" in s])
+    return m
+
+
+class MergingSink:
+    """Rank 0's sinks with the merged per-rank metrics added to every record (in place, so the
+    monitor's `latest()` shows them too). Only rank 0 builds one; other ranks have no sinks."""
+
+    def __init__(self, inner, ctx: DistContext):
+        self.inner, self.ctx = inner, ctx
+
+    @property
+    def errors(self) -> int:
+        return getattr(self.inner, "errors", 0)
+
+    def log(self, metrics: dict, step: int) -> None:
+        try:
+            metrics.update(merge_snapshots(self.ctx.snapshots(), self.ctx.world_size))
+        except Exception as e:  # noqa: BLE001 - a collector: best effort
+            log.warning("merging rank metrics failed: %s", e)
+        self.inner.log(metrics, step)
+
+    def event(self, record: dict, step: int) -> None:
+        self.inner.event(record, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# ------------------------------------------------------------------------------- resume
+def resume_position(ck_path: Path, base_state, generator: torch.Generator, *, rank: int,
+                    world_size: int, seed: int):
+    """This rank's TrainState and the samples its first epoch must skip, from a checkpoint.
+
+    Same world size: exact (this rank's own position and anchor RNG state). Other world size:
+    the rest of the checkpoint's epoch is re-planned over the samples no rank has trained yet
+    (`skip` = all sample ids consumed in that epoch by any rank, plus what that epoch had
+    already skipped), later epochs as usual; anchor RNGs are reseeded per rank and step.
+    Returns (state, skip: list[int] | None).
+    """
+    from dflash_trainer.checkpoint import TrainState
+    meta = json.loads((Path(ck_path) / "state.json").read_text())
+    saved_world = int(meta.get("world_size", 1))
+    ranks = meta.get("ranks")
+    skip_meta = meta.get("epoch_skip") or {}
+    epoch_skip = (list(skip_meta.get("samples", []))
+                  if skip_meta.get("epoch") == base_state.epoch else [])
+    if saved_world == world_size:
+        state = base_state
+        if ranks:
+            state = TrainState.from_json(ranks[rank])
+            blob = torch.load(Path(ck_path) / "optimizer.pt", map_location="cpu",
+                              weights_only=True)
+            gens = blob.get("rank_generators")
+            if gens:
+                generator.set_state(gens[rank])
+        return state, (epoch_skip or None)
+    per_rank = ranks or [base_state.to_json()]
+    done = set(epoch_skip)
+    for r in per_rank:
+        done.update(r.get("consumed_samples") or [])
+    state = TrainState(step=base_state.step, micro_step=base_state.micro_step,
+                       epoch=base_state.epoch, consumed=[], consumed_samples=[],
+                       tokens=sum(r.get("tokens", 0) for r in per_rank) if rank == 0 else 0)
+    generator.manual_seed(seed * 1000003 + rank + 7919 * (base_state.step + 1))
+    log.info("resuming a %d-rank checkpoint on %d ranks: the rest of epoch %d is re-planned "
+             "without the %d samples already trained", saved_world, world_size, state.epoch,
+             len(done))
+    return state, sorted(done)
+
+
+# ------------------------------------------------------------------------------- launchers
+def strip_nproc(argv: list[str]) -> list[str]:
+    """argv without `--nproc N` / `--nproc=N`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m dflash_trainer ARGV`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={int(nproc)}", "-m", "dflash_trainer", *strip_nproc(argv)]
+
+
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    cmd = torchrun_argv(nproc, argv)
+    log.info("launching: %s", " ".join(cmd))
+    return subprocess.call(cmd)
+
+
+def train_distributed(cfg, **train_kwargs):
+    """Run this rank's cell of a torchrun job: init, localize devices, train, tear down.
+    A failure is printed naming the rank that failed first, then the process exits at once."""
+    from dflash_trainer.trainer import train
+    ctx = init_from_env(cfg.pipeline)
+    if ctx is None:
+        return train(cfg, **train_kwargs)
+    try:
+        cfg = localize_config(cfg, ctx.local_rank, ctx.local_world_size)
+        result = train(cfg, dist=ctx, **train_kwargs)
+    except BaseException as e:  # noqa: BLE001 - any failure ends this rank, loudly and fast
+        err = ctx.explain_failure(e) if not isinstance(e, StageError) or \
+            "stopped because of it" not in str(e) else e
+        log.error("rank %d: %s", ctx.rank, err, exc_info=not isinstance(err, StageError))
+        print(f"dflash-trainer: rank {ctx.rank}: error: {err}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(1)
+    ctx.close()
+    return result
