@@ -103,3 +103,18 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
     target = tiny_target()
     with pytest.raises(StageError, match="consecutive optimizer steps had a non-finite"):
         train(cfg, target=_NanTarget(target), train_set=tiny_dataset())
+
+
+def test_periodic_eval_keeps_the_best_drafter(tmp_path):
+    ds = tiny_dataset(n=28)
+    train_set, heldout = ds.subset(range(24)), ds.subset(range(24, 28))
+    cfg = tiny_config(tmp_path, **{"eval.every_steps": 10, "eval.num_prompts": 2,
+                                   "eval.max_new_tokens": 8, "optim.epochs": 3})
+    res = train(cfg, target=tiny_target(), train_set=train_set, heldout=heldout)
+    rows = [json.loads(l) for l in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    taus = [r for r in rows if any("eval/tau" in str(k) for k in r)]
+    assert len(taus) >= 2
+    best = json.loads((res.run_dir / "best" / "eval.json").read_text())
+    assert best["tau"] >= 1.0
+    from dflash_trainer.models.export import load_drafter
+    load_drafter(res.run_dir / "best", "cpu")

@@ -211,9 +211,16 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
             mon.log_event({"event/checkpoint_step": trainer.state.step}, trainer.state.step)
         return path
 
+    target_lock = threading.Lock()      # the target worker and the periodic eval share the target
+    evaluator = PeriodicEval(cfg, target, drafter, heldout, run_dir, target_lock)
+
     def on_step_end(step: int) -> None:
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
             checkpoint_now(trainer)
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and rank == 0:
+            rec = evaluator.run(step)
+            if rec and mon is not None:
+                mon.log_event(rec, step)
 
     trainer = Trainer(step_fn=drafter_step, state=state, max_steps=total_steps)
     trainer.on_step_end = on_step_end
@@ -224,7 +231,6 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     stop = threading.Event()
     done = threading.Event()
     faults = FaultInjector(p.fault)
-    target_lock = threading.Lock()
     work_q = BoundedQueue("work", p.work_queue_size, p.timeout_s)
     t_threads, d_threads = thread_split(cfg)
     remaining_epochs = cfg.optim.epochs
@@ -297,6 +303,10 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                 outcome_reason = outcome.reason
         # The drafter thread has stopped: its state is consistent. Checkpoint + export.
         ck = checkpoint_now(trainer)
+        if cfg.eval.every_steps and rank == 0 and outcome_reason != "signal":
+            rec = evaluator.run(trainer.state.step)
+            if rec:
+                mon.log_event(rec, trainer.state.step)
         export_dir = None
         if rank == 0:
             export_dir = run_dir / "export"
@@ -318,6 +328,60 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                        wall_s=time.monotonic() - t0, tokens=trainer.state.tokens,
                        export_dir=export_dir, checkpoint=ck, metrics=final_metrics,
                        history=history)
+
+
+class PeriodicEval:
+    """Acceptance length on held-out prompts during training (drafter thread, between steps).
+
+    It borrows the target under `lock` (the target worker takes the same lock per batch), so the
+    pipeline stalls for no longer than the evaluation itself. The best drafter by tau is exported
+    to `{run_dir}/best`.
+    """
+
+    def __init__(self, cfg: Config, target, drafter, heldout, run_dir: Path, lock):
+        self.cfg, self.target, self.drafter, self.run_dir, self.lock = (cfg, target, drafter,
+                                                                        run_dir, lock)
+        self.prompts = _heldout_prompts(heldout, cfg.eval.num_prompts)
+        self.best = float("-inf")
+
+    def run(self, step: int) -> dict | None:
+        if not self.prompts:
+            return None
+        from dflash_trainer.eval.specdecode import quick_acceptance
+        block = self.cfg.eval.block_size or self.cfg.drafter.block_size
+        t0 = time.perf_counter()
+        with self.lock:
+            res = quick_acceptance(self.target, self.drafter, self.prompts,
+                                   self.cfg.eval.max_new_tokens, block)
+        rec = {"eval/tau": float(res["tau"]), "eval/seconds": time.perf_counter() - t0,
+               "eval/step": step}
+        log.info("eval at step %d: tau %.3f on %d held-out prompts (%.1f s)", step, res["tau"],
+                 len(self.prompts), rec["eval/seconds"])
+        if res["tau"] > self.best:
+            self.best = res["tau"]
+            tmp = self.run_dir / "best.tmp"
+            export_drafter(self.drafter, tmp)
+            (tmp / "eval.json").write_text(json.dumps({"step": step, "tau": res["tau"]}))
+            if (self.run_dir / "best").exists():
+                import shutil
+                shutil.rmtree(self.run_dir / "best")
+            os.replace(tmp, self.run_dir / "best")
+            rec["eval/best_tau"] = self.best
+        return rec
+
+
+def _heldout_prompts(heldout, limit: int) -> list[list[int]]:
+    """Prompt token ids of held-out examples: everything before the first supervised token."""
+    out = []
+    if heldout is None:
+        return out
+    for ids, mask in zip(heldout.input_ids, heldout.loss_mask):
+        first = int(mask.argmax()) if mask.any() else 0
+        if first > 0:
+            out.append([int(t) for t in ids[:first]])
+        if len(out) >= limit:
+            break
+    return out
 
 
 def _contiguous_prefix(consumed) -> int:

@@ -57,10 +57,26 @@ def build_batch(dataset, indices, pad_multiple: int, pad_id: int) -> Batch:
                  torch.as_tensor(np.asarray(indices, dtype=np.int64)), int(lens.sum()))
 
 
+def plan_skipping(lengths, batching_cfg, epoch: int, rank: int = 0, world_size: int = 1,
+                  skip_samples=None) -> EpochPlan:
+    """`plan_epoch_detailed` over the samples not in `skip_samples` (dataset indices).
+
+    Used for the first epoch of a run resumed on another world size: the rest of the epoch is
+    planned over the samples no rank has trained yet, so none is lost and none is doubled."""
+    if not skip_samples:
+        return plan_epoch_detailed(lengths, batching_cfg, epoch, rank, world_size)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    keep = np.setdiff1d(np.arange(len(lengths)), np.asarray(list(skip_samples), dtype=np.int64))
+    sub = plan_epoch_detailed(lengths[keep], batching_cfg, epoch, rank, world_size)
+    sub.batches = [keep[np.asarray(b, dtype=np.int64)].tolist() for b in sub.batches]
+    return sub
+
+
 class BatchPrefetcher(threading.Thread):
     def __init__(self, dataset, batching_cfg, work_q, stop: threading.Event, failures, epochs: int,
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False,
-                 start: tuple[int, int] = (0, 0), history: int = 256, name: str = "prefetch"):
+                 start: tuple[int, int] = (0, 0), history: int = 256, name: str = "prefetch",
+                 skip_samples=None):
         super().__init__(name=name, daemon=True)
         self.dataset = dataset
         self.cfg = batching_cfg
@@ -72,6 +88,9 @@ class BatchPrefetcher(threading.Thread):
         # Pinning needs a CUDA runtime; on CPU-only machines it is a no-op by design.
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         self.start_position = (int(start[0]), int(start[1]))
+        # Sample ids the first epoch (start[0]) leaves out; start[1] counts batches of that
+        # reduced plan (see plan_skipping).
+        self.skip_samples = list(skip_samples) if skip_samples else None
         self.pad_id = int(getattr(dataset, "pad_id", 0))
         self.counters = WorkerCounters(name=name)
         # Optional test hook (pipeline.workers.FaultInjector), set by the trainer.
@@ -87,8 +106,9 @@ class BatchPrefetcher(threading.Thread):
 
     # ---- planning ----
     def plan(self, epoch: int) -> EpochPlan:
-        return plan_epoch_detailed(self.dataset.lengths, self.cfg, epoch, self.rank,
-                                   self.world_size)
+        skip = self.skip_samples if epoch == self.start_position[0] else None
+        return plan_skipping(self.dataset.lengths, self.cfg, epoch, self.rank, self.world_size,
+                             skip)
 
     def batches_in_epoch(self, epoch: int) -> int:
         return len(self.plan(epoch).batches)
