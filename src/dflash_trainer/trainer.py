@@ -90,10 +90,10 @@ class TrainResult:
     history: list = field(default_factory=list)        # (step, drafter metrics) from the ring
 
 
-def setup_run_logging(run_dir: Path) -> logging.Handler:
+def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler:
     """Full tracebacks go to {run_dir}/train.log; the console gets one-line messages."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    h = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    h = logging.FileHandler(run_dir / name, encoding="utf-8")
     h.setLevel(logging.DEBUG)
     h.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: "
                                      "%(message)s"))
@@ -126,9 +126,17 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
 
 
 def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int = 0,
-          world_size: int = 1, ddp_wrap=None, monitor=None, observe: bool = True) -> TrainResult:
-    from dflash_trainer.data.prefetcher import BatchPrefetcher
+          world_size: int = 1, ddp_wrap=None, monitor=None, observe: bool = True,
+          dist=None) -> TrainResult:
+    """`dist`: a pipeline.distributed.DistContext when this process is one rank of a torchrun
+    job (train_distributed builds it); it sets rank/world_size and the DDP wrapper."""
+    from dflash_trainer.data.prefetcher import BatchPrefetcher, plan_skipping
     from dflash_trainer.observe.monitor import Monitor
+    from dflash_trainer.pipeline import distributed as dist_mod
+
+    if dist is not None:
+        rank, world_size = dist.rank, dist.world_size
+        ddp_wrap = ddp_wrap if ddp_wrap is not None else dist.ddp_wrap
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +162,21 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                                 cfg.drafter.gamma, drafter.config.mask_token_id,
                                 cfg.drafter.loss_chunk_blocks)
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
+    # This rank's position in the checkpoint (another world size: the rest of its epoch is
+    # re-planned without the samples already trained), known before the LR schedule is built.
+    resume_ck = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+    rank_state, epoch_skip, set_rank_rng = (None, None, None)
+    if resume_ck is not None:
+        rank_state, epoch_skip, set_rank_rng = dist_mod.resume_position(
+            resume_ck, rank=rank, world_size=world_size, seed=p.seed)
     total_steps, per_epoch = count_steps(train_set.lengths, cfg, rank, world_size)
+    if epoch_skip is not None:
+        first = len(plan_skipping(train_set.lengths, cfg.batching, rank_state.epoch, rank,
+                                  world_size, epoch_skip).batches)
+        left = first - len(rank_state.consumed or []) + sum(per_epoch[rank_state.epoch + 1:])
+        total_steps = rank_state.step + max(0, left) // cfg.optim.grad_accum
+        if cfg.optim.max_steps:
+            total_steps = min(total_steps, cfg.optim.max_steps)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     guard = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, drafter_device)
     generator = torch.Generator(device=drafter_device)
@@ -167,6 +189,9 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         if ck is not None:
             state = load_checkpoint(ck, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
                                     generator=generator, config=config_dict)
+            if rank_state is not None and ck == resume_ck:
+                state = rank_state
+                set_rank_rng(generator)
             log.info("resumed from %s at step %d (epoch %d, %d batches of it done)", ck,
                      state.step, state.epoch, len(state.consumed))
     start_steps = state.step
@@ -190,8 +215,10 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     last_ckpt: list[Path] = []
     ledger_path = run_dir / "ledger.jsonl"
 
-    def write_ledger(trainer: Trainer) -> None:
+    def write_ledger(trainer: Trainer, gathered=None) -> None:
         entries, trainer.ledger = trainer.ledger, []
+        if gathered is not None:            # torchrun: every rank's entries, gathered to rank 0
+            entries = gathered
         if entries and rank == 0:
             with open(ledger_path, "a", encoding="utf-8") as f:
                 for epoch, ids in entries:
@@ -200,12 +227,28 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                 os.fsync(f.fileno())
 
     def checkpoint_now(trainer: Trainer) -> Path | None:
+        extra_meta, extra_blob, gathered = {}, None, None
+        if dist is not None:
+            # Every rank calls this after the same step (DDP + the stop vote keep them in
+            # lockstep): gather positions, anchor RNG states and ledgers to rank 0.
+            parts = dist.gather_to_main({"state": trainer.state.to_json(),
+                                         "generator": generator.get_state(),
+                                         "ledger": trainer.ledger})
+            trainer.ledger = []
+            if rank != 0:
+                return None
+            gathered = [e for part in parts for e in part["ledger"]]
+            extra_meta = {"world_size": world_size, "ranks": [q["state"] for q in parts]}
+            extra_blob = {"rank_generators": [q["generator"] for q in parts]}
         if rank != 0:
             return None
+        if epoch_skip is not None and trainer.state.epoch == rank_state.epoch:
+            extra_meta["epoch_skip"] = {"epoch": rank_state.epoch, "samples": epoch_skip}
         path = save_checkpoint(run_dir, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
                                generator=generator, state=trainer.state, config=config_dict,
-                               keep_last=cfg.checkpoint.keep_last, export_fn=export_fn)
-        write_ledger(trainer)   # after the checkpoint: the ledger never runs ahead of it
+                               keep_last=cfg.checkpoint.keep_last, export_fn=export_fn,
+                               extra_meta=extra_meta, extra_blob=extra_blob)
+        write_ledger(trainer, gathered)   # after the checkpoint: never runs ahead of it
         last_ckpt.append(path)
         if mon is not None:
             mon.log_event({"event/checkpoint_step": trainer.state.step}, trainer.state.step)
@@ -224,20 +267,23 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
 
     trainer = Trainer(step_fn=drafter_step, state=state, max_steps=total_steps)
     trainer.on_step_end = on_step_end
+    if dist is not None:
+        # All ranks stop after the same optimizer step: a MAX vote of "signal received".
+        trainer.stop_vote = lambda: dist.agree_stop(signals.requested.is_set())
     trainer.queries_per_row = cfg.drafter.num_anchors * cfg.drafter.block_size
 
     # ---- threads
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
     done = threading.Event()
-    faults = FaultInjector(p.fault)
+    faults = FaultInjector(p.fault, rank)
     work_q = BoundedQueue("work", p.work_queue_size, p.timeout_s)
     t_threads, d_threads = thread_split(cfg)
     remaining_epochs = cfg.optim.epochs
     prefetcher = BatchPrefetcher(
         train_set, cfg.batching, work_q, stop, events, epochs=remaining_epochs, rank=rank,
         world_size=world_size, pin_memory=any(d.startswith("cuda") for d in p.target_devices),
-        start=(state.epoch, _contiguous_prefix(state.consumed)))
+        start=(state.epoch, _contiguous_prefix(state.consumed)), skip_samples=epoch_skip)
     prefetcher.faults = faults
     target_step = TargetStep(target, drafter_device, feature_dtype)
     threads: list[threading.Thread] = [prefetcher]
@@ -263,7 +309,11 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     workers = [getattr(t, "counters") for t in threads]
     mon = monitor if observe else NullMonitor()
     if mon is None:
-        mon = Monitor(cfg.metrics, run_dir if rank == 0 else None, config_dict=config_dict,
+        sinks = None
+        if dist is not None and rank == 0:      # merged per-rank metrics; only rank 0 writes
+            from dflash_trainer.observe.sinks import build_sinks
+            sinks = dist_mod.MergingSink(build_sinks(cfg.metrics, run_dir, config_dict), dist)
+        mon = Monitor(cfg.metrics, run_dir, sinks=sinks, config_dict=config_dict,
                       workers=workers, queues=queues,
                       composition=getattr(prefetcher, "composition", None),
                       rings={"drafter": recorder},
@@ -273,9 +323,12 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                           target.model.config, max(target.layer_ids) + 1, drafter.config,
                           seq_len=float(train_set.lengths.mean())),
                       rank=rank)
-    bar = _progress_bar(cfg, total_steps, start_steps) if observe else None
+    bar = _progress_bar(cfg, total_steps, start_steps) if observe and rank == 0 else None
 
     def on_tick():
+        if dist is not None:
+            dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest()))
+            dist.check_peers(events)    # a peer's failure stops this rank, naming the peer
         if bar is not None:
             c = trainer.state
             bar.n = c.step
@@ -290,19 +343,30 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                      max_consecutive_skips=cfg.optim.max_consecutive_skips,
                      consecutive_skips=lambda: recorder.last.get("consecutive_skips", 0.0),
                      on_tick=on_tick,
-                     signals=signals)
+                     # torchrun: a signal only feeds the stop vote (all ranks stop together)
+                     signals=signals if dist is None else None)
     t0 = time.monotonic()
     outcome = None
+    merged: dict = {}
     try:
         with signals:
             if start_steps >= total_steps:
                 log.info("already at step %d of %d: nothing to train", start_steps, total_steps)
                 outcome_reason = "finished"
             else:
-                outcome = sup.run()
-                outcome_reason = outcome.reason
+                try:
+                    outcome = sup.run()
+                except BaseException as e:
+                    if dist is None:
+                        raise
+                    raise dist.explain_failure(e) from None
+                outcome_reason = "signal" if trainer.stopped_by_vote else outcome.reason
         # The drafter thread has stopped: its state is consistent. Checkpoint + export.
+        if dist is not None:        # final snapshot; the checkpoint gather then orders it
+            dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest(), final=True))
         ck = checkpoint_now(trainer)
+        if dist is not None and rank == 0:
+            merged.update(dist_mod.merge_snapshots(dist.snapshots(), world_size))
         if cfg.eval.every_steps and rank == 0 and outcome_reason != "signal":
             rec = evaluator.run(trainer.state.step)
             if rec:
@@ -322,6 +386,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         mon.tick()
         history = list(recorder.history)
         final_metrics = dict(mon.latest())
+        final_metrics.update(merged)
         if monitor is None:
             mon.close()
     return TrainResult(run_dir=run_dir, steps=trainer.state.step, reason=outcome_reason,

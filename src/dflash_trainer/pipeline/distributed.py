@@ -171,15 +171,27 @@ class DistContext:
         return None if msg.startswith(f"rank {self.rank}:") else msg
 
     def explain_failure(self, err: BaseException) -> BaseException:
-        """Called when this rank's pipeline failed: name the rank that failed first."""
-        peer = self.peer_failure()
-        if peer is not None:
-            who = peer.split(":", 1)[0].replace(" ", "")
-            e = StageError(who, f"{peer} (rank {self.rank} stopped because of it: {err})")
-            e.__cause__ = err
-            return e
-        self.report_failure(str(err))
-        return err
+        """Called when this rank failed: if another rank failed first (e.g. this rank's
+        collective broke because that peer exited), an error naming that rank; else `err`,
+        after publishing it to the other ranks. Idempotent."""
+        if getattr(err, "_dflash_explained", False):
+            return err
+        if isinstance(err, StageError) and isinstance(err.__cause__, PeerFailure):
+            out = err                                    # raised by check_peers: names the rank
+        else:
+            peer = self.peer_failure()
+            if peer is not None:
+                out = StageError(peer.split(":", 1)[0].replace(" ", ""),
+                                 f"{peer} (rank {self.rank} stopped because of it: {err})")
+                out.__cause__ = err
+            else:
+                self.report_failure(str(err))
+                out = err
+        try:
+            out._dflash_explained = True
+        except AttributeError:
+            pass
+        return out
 
     def check_peers(self, events) -> None:
         """Main thread, once per tick: a peer failure becomes a StageFailure on `events`, so the
@@ -318,45 +330,51 @@ class MergingSink:
 
 
 # ------------------------------------------------------------------------------- resume
-def resume_position(ck_path: Path, base_state, generator: torch.Generator, *, rank: int,
-                    world_size: int, seed: int):
-    """This rank's TrainState and the samples its first epoch must skip, from a checkpoint.
+def resume_position(ck_path: Path, *, rank: int, world_size: int, seed: int):
+    """This rank's training position in checkpoint `ck_path`, read before anything is built.
 
     Same world size: exact (this rank's own position and anchor RNG state). Other world size:
     the rest of the checkpoint's epoch is re-planned over the samples no rank has trained yet
-    (`skip` = all sample ids consumed in that epoch by any rank, plus what that epoch had
-    already skipped), later epochs as usual; anchor RNGs are reseeded per rank and step.
-    Returns (state, skip: list[int] | None).
+    (`skip` = every sample id consumed in that epoch by any rank, plus what that epoch had
+    already skipped), later epochs as usual; anchor RNGs are reseeded per rank and step, and
+    the token count restarts on rank 0 with the sum over the old ranks.
+
+    Returns (state: TrainState, skip: list[int] | None, set_rng: callable(generator)), where
+    `set_rng` is applied after `load_checkpoint` (which restores rank 0's generator).
     """
     from dflash_trainer.checkpoint import TrainState
-    meta = json.loads((Path(ck_path) / "state.json").read_text())
+    path = Path(ck_path)
+    meta = json.loads((path / "state.json").read_text())
+    base = TrainState.from_json(meta["train_state"])
     saved_world = int(meta.get("world_size", 1))
     ranks = meta.get("ranks")
     skip_meta = meta.get("epoch_skip") or {}
-    epoch_skip = (list(skip_meta.get("samples", []))
-                  if skip_meta.get("epoch") == base_state.epoch else [])
+    epoch_skip = list(skip_meta.get("samples", [])) if skip_meta.get("epoch") == base.epoch else []
     if saved_world == world_size:
-        state = base_state
-        if ranks:
-            state = TrainState.from_json(ranks[rank])
-            blob = torch.load(Path(ck_path) / "optimizer.pt", map_location="cpu",
-                              weights_only=True)
+        if not ranks:
+            return base, (epoch_skip or None), lambda g: None
+        state = TrainState.from_json(ranks[rank])
+
+        def set_rng(generator):
+            blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
             gens = blob.get("rank_generators")
             if gens:
                 generator.set_state(gens[rank])
-        return state, (epoch_skip or None)
-    per_rank = ranks or [base_state.to_json()]
+        return state, (epoch_skip or None), set_rng
+    per_rank = ranks or [meta["train_state"]]
     done = set(epoch_skip)
     for r in per_rank:
         done.update(r.get("consumed_samples") or [])
-    state = TrainState(step=base_state.step, micro_step=base_state.micro_step,
-                       epoch=base_state.epoch, consumed=[], consumed_samples=[],
+    state = TrainState(step=base.step, micro_step=base.micro_step, epoch=base.epoch, consumed=[],
+                       consumed_samples=[],
                        tokens=sum(r.get("tokens", 0) for r in per_rank) if rank == 0 else 0)
-    generator.manual_seed(seed * 1000003 + rank + 7919 * (base_state.step + 1))
     log.info("resuming a %d-rank checkpoint on %d ranks: the rest of epoch %d is re-planned "
              "without the %d samples already trained", saved_world, world_size, state.epoch,
              len(done))
-    return state, sorted(done)
+
+    def reseed(generator):
+        generator.manual_seed(seed * 1000003 + rank + 7919 * (base.step + 1))
+    return state, sorted(done), reseed
 
 
 # ------------------------------------------------------------------------------- launchers
@@ -399,8 +417,7 @@ def train_distributed(cfg, **train_kwargs):
         cfg = localize_config(cfg, ctx.local_rank, ctx.local_world_size)
         result = train(cfg, dist=ctx, **train_kwargs)
     except BaseException as e:  # noqa: BLE001 - any failure ends this rank, loudly and fast
-        err = ctx.explain_failure(e) if not isinstance(e, StageError) or \
-            "stopped because of it" not in str(e) else e
+        err = ctx.explain_failure(e)
         log.error("rank %d: %s", ctx.rank, err, exc_info=not isinstance(err, StageError))
         print(f"dflash-trainer: rank {ctx.rank}: error: {err}", file=sys.stderr, flush=True)
         logging.shutdown()
