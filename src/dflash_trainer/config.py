@@ -370,10 +370,10 @@ def validate(cfg: Config) -> Config:
                           "blocks does not generalise to longer ones.")
     if cfg.batching.max_tokens < cfg.batching.pad_multiple:
         raise ConfigError("batching.max_tokens must be >= batching.pad_multiple.")
-    if cfg.pipeline.fault and cfg.pipeline.fault.split(":")[0] not in {
+    if cfg.pipeline.fault and cfg.pipeline.fault.split(":")[0].split("@")[0] not in {
             "prefetch", "target", "drafter", "monitor"}:
         raise ConfigError(f"pipeline.fault: stage must be prefetch/target/drafter/monitor, got "
-                          f"{cfg.pipeline.fault!r} (format STAGE:STEP[:hang|sigterm]).")
+                          f"{cfg.pipeline.fault!r} (format STAGE[@RANK]:STEP[:hang|sigterm]).")
     return cfg
 
 

@@ -327,7 +327,8 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
 
     def on_tick():
         if dist is not None:
-            dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest()))
+            dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest(), threads[-1].counters,
+                                                time.monotonic() - t0))
             dist.check_peers(events)    # a peer's failure stops this rank, naming the peer
         if bar is not None:
             c = trainer.state
@@ -359,11 +360,12 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                 except BaseException as e:
                     if dist is None:
                         raise
-                    raise dist.explain_failure(e) from None
+                    raise dist.explain_failure(e)
                 outcome_reason = "signal" if trainer.stopped_by_vote else outcome.reason
         # The drafter thread has stopped: its state is consistent. Checkpoint + export.
         if dist is not None:        # final snapshot; the checkpoint gather then orders it
-            dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest(), final=True))
+            dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest(), threads[-1].counters,
+                                                time.monotonic() - t0, final=True))
         ck = checkpoint_now(trainer)
         if dist is not None and rank == 0:
             merged.update(dist_mod.merge_snapshots(dist.snapshots(), world_size))
@@ -488,14 +490,25 @@ def _progress_bar(cfg: Config, total: int, start: int):
 
 
 def train_command(cfg: Config, args) -> int:
-    if getattr(args, "nproc", 0) and args.nproc > 1:
-        raise UserError("--nproc needs the distributed launcher (not available in this build); "
-                        "run `torchrun --nproc-per-node N -m dflash_trainer train ...`.")
-    handler = setup_run_logging(Path(cfg.run_dir))
+    nproc = getattr(args, "nproc", 0) or 0
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        # Convenience: relaunch this very command under torchrun, one process per cell.
+        import sys
+        from dflash_trainer.pipeline.distributed import launch_torchrun
+        return launch_torchrun(nproc, sys.argv[1:])
+    rank = int(os.environ.get("RANK", "0"))
+    handler = setup_run_logging(Path(cfg.run_dir),
+                                "train.log" if rank == 0 else f"train.rank{rank}.log")
     try:
-        result = train(cfg)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:     # under torchrun
+            from dflash_trainer.pipeline.distributed import train_distributed
+            result = train_distributed(cfg)
+        else:
+            result = train(cfg)
     finally:
         logging.getLogger().removeHandler(handler)
+    if rank != 0:
+        return 0
     print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.reason}); "
           f"export: {result.export_dir}; checkpoint: {result.checkpoint}")
     return 0

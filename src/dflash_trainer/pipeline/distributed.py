@@ -138,7 +138,7 @@ class DistContext:
         from torch.nn.parallel import DistributedDataParallel as DDP
         dev = next(module.parameters()).device
         return DDP(module, device_ids=[dev] if dev.type == "cuda" else None,
-                   broadcast_buffers=False, gradient_as_bucket_view=True)
+                   forward_sync_buffers=False, gradient_as_bucket_view=True)
 
     # ---- collectives on the gloo control group (CPU tensors only: never a device sync)
     def agree_stop(self, local_stop: bool) -> bool:
@@ -265,17 +265,23 @@ _PER_RANK = {"step_ms": "prof/{drafter}/host_step_ms", "drafter_tok_s": "tput/dr
              "target_tok_s": "tput/target_tok_s", "balance": "tput/balance"}
 
 
-def rank_snapshot(state, latest: dict, final: bool = False) -> dict:
-    """What one rank publishes: exact cumulative counters + its latest per-rank figures."""
+def rank_snapshot(state, latest: dict, counters=None, elapsed_s: float = 0.0,
+                  final: bool = False) -> dict:
+    """What one rank publishes: exact cumulative counters (TrainState) and its per-rank figures:
+    the monitor's latest window where it has one, else the run's mean from the drafter worker's
+    counters (short runs, the final snapshot)."""
     snap = {"tokens": int(state.tokens), "steps": int(state.step),
-            "micro_steps": int(state.micro_step), "final": bool(final),
-            "time": time.time()}
+            "micro_steps": int(state.micro_step), "final": bool(final)}
     for name, key in _PER_RANK.items():
         for drafter in ("drafter0", "sequential0"):
             v = latest.get(key.format(drafter=drafter))
             if v is not None:
                 snap[name] = float(v)
                 break
+    if counters is not None and counters.steps > 0:
+        snap.setdefault("step_ms", counters.busy_ns / counters.steps / 1e6)
+        if elapsed_s > 0:
+            snap.setdefault("drafter_tok_s", counters.tokens / elapsed_s)
     return snap
 
 
@@ -406,6 +412,31 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+def _prepare_data_rank0_first(cfg, ctx: DistContext, target) -> dict:
+    """Rank 0 reads, regenerates (embedded source) and tokenizes into the shared caches first;
+    the other ranks then hit the caches. They write their copy of heldout.jsonl under
+    run_dir/ranks/R so that no two processes write one file. Waits through the store (polling
+    for a peer failure), not a collective: data preparation may take longer than any
+    collective timeout."""
+    from dflash_trainer.data.prepare import prepare_data
+    from dflash_trainer.models.target import TargetModel
+    if target is None:
+        target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
+    if ctx.is_main:
+        train_set, heldout = prepare_data(cfg, target.tokenizer, target)
+        ctx.store.set("data_ready", "1")
+    else:
+        while not ctx.store.check(["data_ready"]):
+            peer = ctx.peer_failure()
+            if peer is not None:
+                raise PeerFailure(peer)
+            time.sleep(0.5)
+        local = copy.deepcopy(cfg)
+        local.run_dir = str(Path(cfg.run_dir) / "ranks" / str(ctx.rank))
+        train_set, heldout = prepare_data(local, target.tokenizer, target)
+    return {"target": target, "train_set": train_set, "heldout": heldout}
+
+
 def train_distributed(cfg, **train_kwargs):
     """Run this rank's cell of a torchrun job: init, localize devices, train, tear down.
     A failure is printed naming the rank that failed first, then the process exits at once."""
@@ -415,6 +446,8 @@ def train_distributed(cfg, **train_kwargs):
         return train(cfg, **train_kwargs)
     try:
         cfg = localize_config(cfg, ctx.local_rank, ctx.local_world_size)
+        if train_kwargs.get("train_set") is None:
+            train_kwargs.update(_prepare_data_rank0_first(cfg, ctx, train_kwargs.get("target")))
         result = train(cfg, dist=ctx, **train_kwargs)
     except BaseException as e:  # noqa: BLE001 - any failure ends this rank, loudly and fast
         err = ctx.explain_failure(e)
