@@ -118,3 +118,10 @@ def test_periodic_eval_keeps_the_best_drafter(tmp_path):
     assert best["tau"] >= 1.0
     from dflash_trainer.models.export import load_drafter
     load_drafter(res.run_dir / "best", "cpu")
+
+
+@pytest.mark.parametrize("stage", ["target", "drafter"])
+def test_out_of_memory_names_batch_shape_and_setting(tmp_path, stage):
+    with pytest.raises(StageError, match=rf"out of memory in the {stage} step on a batch of "
+                                         rf"\d+ x \d+ tokens; lower batching\.max_tokens"):
+        _run(tmp_path, **{"pipeline.fault": f"{stage}:2:oom"})

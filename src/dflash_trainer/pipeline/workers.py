@@ -7,6 +7,7 @@ stop event), reports its end (`End`) or its failure (`StageFailure`) to the supe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -25,9 +26,36 @@ class InjectedFault(RuntimeError):
     """Raised by the `pipeline.fault` test hook."""
 
 
+class BatchOutOfMemory(RuntimeError):
+    """Out of memory on one batch: says which stage, the batch shape and the setting to lower."""
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))   # CPU allocator
+
+
+@contextlib.contextmanager
+def oom_context(stage: str, shape) -> "contextlib.AbstractContextManager":
+    """Turn an OOM inside a step into a message a user can act on."""
+    try:
+        yield
+    except BaseException as e:
+        if not _is_oom(e):
+            raise
+        rows, seq = int(shape[0]), int(shape[1])
+        hint = ("batching.max_tokens (token budget per batch) or data.max_length"
+                if stage == "target" else
+                "batching.max_tokens, drafter.num_anchors or drafter.loss_chunk_blocks")
+        raise BatchOutOfMemory(
+            f"out of memory in the {stage} step on a batch of {rows} x {seq} tokens; lower "
+            f"{hint}, or give the stage more memory. ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]})") from e
+
+
 class FaultInjector:
     """`STAGE[@RANK]:STEP[:KIND]`: when STAGE's step counter reaches STEP, raise (default), `hang`,
-    or send this process a `sigterm` (tests the graceful-stop path end to end). With `@RANK` it
+    `oom` (an out-of-memory error inside the step), or send this process a `sigterm` (tests the graceful-stop path end to end). With `@RANK` it
     fires only in that torchrun rank."""
 
     def __init__(self, spec: str, rank: int = 0):
@@ -50,6 +78,8 @@ class FaultInjector:
             self.stage = None                     # once
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if self.kind == "oom":
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected in {stage} at step {step})")
         if self.kind == "hang":
             log.warning("fault hook: %s hangs at step %d", stage, step)
             while True:           # a stuck stage: ignores everything; the stall detector aborts
@@ -115,9 +145,10 @@ class TargetWorker(Worker):
                 self.hs_q.put(item, self.stop)
                 continue
             assert isinstance(item, WorkItem), type(item)
-            self.faults.check("target", c.steps, self.stop)
             t1 = time.perf_counter_ns()
-            with self.lock:                      # the eval loop borrows the target between steps
+            with self.lock, oom_context("target", item.batch.input_ids.shape):
+                # (the lock: the eval loop borrows the target between steps)
+                self.faults.check("target", c.steps, self.stop)
                 hb = self.step_fn(item, c)
             c.busy_ns += time.perf_counter_ns() - t1
             t2 = time.perf_counter_ns()
@@ -205,8 +236,10 @@ class DrafterWorker(Worker):
                 log.info("drafter: epoch %d: all %d batches handed over", item.epoch,
                          item.num_batches)
                 continue
-            self.faults.check("drafter", c.steps, self.stop)
-            if not self.trainer.consume(item, c):
+            with oom_context("drafter", item.input_ids.shape):
+                self.faults.check("drafter", c.steps, self.stop)
+                more = self.trainer.consume(item, c)
+            if not more:
                 break
         self.done.set()
 
@@ -231,10 +264,12 @@ class SequentialWorker(Worker):
                 break
             if isinstance(item, EpochEnd):
                 continue
-            self.faults.check("target", c.steps, self.stop)
-            self.faults.check("drafter", c.steps, self.stop)
-            with self.lock:
+            with self.lock, oom_context("target", item.batch.input_ids.shape):
+                self.faults.check("target", c.steps, self.stop)
                 hb = self.target_step(item, None)
-            if not self.trainer.consume(hb, c):
+            with oom_context("drafter", item.batch.input_ids.shape):
+                self.faults.check("drafter", c.steps, self.stop)
+                more = self.trainer.consume(hb, c)
+            if not more:
                 break
         self.done.set()
