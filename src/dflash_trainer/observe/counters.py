@@ -30,6 +30,7 @@ class WorkerCounters:
     last_progress: float = field(default_factory=time.monotonic)  # heartbeat (monotonic s)
     phase_ns: dict[str, int] = field(default_factory=dict)  # per-phase host time (h2d, forward, ...)
     gauges: dict[str, float] = field(default_factory=dict)  # host-side values (lr, epoch)
+    gpu_timer: object = None  # observe.profile.StepTimer of the worker's step (CUDA only)
 
     def beat(self) -> None:
         self.last_progress = time.monotonic()

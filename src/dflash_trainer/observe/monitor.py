@@ -74,6 +74,7 @@ class Monitor:
         self._w_phase_prev = {w.name: dict(w.phase_ns) for w in self.workers}
         self._q_prev = {q.name: _snap(q.counters, _QUEUE_FIELDS) for q in self.queues}
         self._reset_window()
+        self._gpu_prev: dict[str, tuple[float, int]] = {}
         self._ring_last: dict[str, float] = {}
         self._step = 0
         self._n_logs = 0
@@ -138,6 +139,10 @@ class Monitor:
         for k, v in self._ring_last.items():    # progress bar sees fresh values between logs
             self._latest[f"drafter/{k}_last"] = v
         self._latest["drafter/step"] = float(self._step)
+        for w in self.workers:      # GPU step times: resolve finished event pairs, never wait
+            timer = getattr(w, "gpu_timer", None)
+            if timer is not None:
+                self._guard(f"gpu_timer:{w.name}", timer.resolve)
         self._tick_s_sum += time.perf_counter() - t0
         if now - self._last_log_t >= self.cfg.log_every_s:
             self._log(now)
@@ -177,6 +182,14 @@ class Monitor:
                 for ph, ns in phases.items():
                     m[f"{q}{ph}_ms"] = (ns - prev_ph.get(ph, 0)) / n
                 self._w_phase_prev[w.name] = phases
+            timer = getattr(w, "gpu_timer", None)
+            if timer is not None:
+                prev_ms, prev_n = self._gpu_prev.get(w.name, (0.0, 0))
+                d_ms, d_n = timer.total_ms - prev_ms, timer.count - prev_n
+                self._gpu_prev[w.name] = (timer.total_ms, timer.count)
+                if d_n > 0:
+                    m[q + "gpu_step_ms"] = d_ms / d_n
+                    m[q + "gpu_busy_frac"] = d_ms / 1e3 / dt
             for k, v in dict(getattr(w, "gauges", None) or {}).items():
                 m[p + k] = float(v)
                 if w.name.startswith("drafter"):

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from dflash_trainer.observe.profile import StepTimer
 from dflash_trainer.pipeline.messages import Batch, HiddenBatch, WorkItem
 
 
@@ -34,6 +35,7 @@ class TargetStep:
         self.feature_dtype = feature_dtype
         self.stream = torch.cuda.Stream(self.device) if _is_cuda(self.device) else None
         self._masks: dict[int, torch.Tensor] = {}
+        self.timer = StepTimer(self.device)
 
     def _causal_mask(self, seq_len: int) -> torch.Tensor:
         """[1, 1, S, S] additive causal mask (0 / dtype min), cached per length. Additive, not
@@ -49,8 +51,11 @@ class TargetStep:
     def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
         b: Batch = item.batch
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        if counters is not None and counters.gpu_timer is None:
+            counters.gpu_timer = self.timer
         with ctx:
             t0 = time.perf_counter_ns()
+            tok = self.timer.start(self.stream)
             ids = b.input_ids.to(self.device, non_blocking=True)
             t1 = time.perf_counter_ns()
             # A plain causal mask on purpose: batches are right-padded, so under causal
@@ -63,6 +68,7 @@ class TargetStep:
             feats = feats.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
             ids_d = ids.to(self.drafter_device, non_blocking=True)
             mask_d = b.loss_mask.to(self.drafter_device, non_blocking=True)
+            self.timer.stop(tok, self.stream)
             event = None
             if self.stream is not None:
                 event = torch.cuda.Event()
@@ -103,6 +109,7 @@ class DrafterStep:
         self.autocast_bf16 = autocast_bf16
         self.ring = ring       # ScalarRing over metric_names() (observe/scalars.py)
         self.stream = torch.cuda.current_stream(self.device) if _is_cuda(self.device) else None
+        self.timer = StepTimer(self.device)
         self.micro = 0
 
     def __call__(self, hb: HiddenBatch, step: int, counters=None) -> bool:
@@ -111,7 +118,10 @@ class DrafterStep:
             self.stream.wait_event(hb.ready_event)
             for t in (hb.features, hb.input_ids, hb.loss_mask):
                 t.record_stream(self.stream)
+        if counters is not None and counters.gpu_timer is None:
+            counters.gpu_timer = self.timer
         t0 = time.perf_counter_ns()
+        tok = self.timer.start(self.stream)
         ac = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
               else contextlib.nullcontext())
         stepped = (self.micro + 1) % self.grad_accum == 0
@@ -137,6 +147,7 @@ class DrafterStep:
                 self.ring.push(step + 1, vec)
             if counters is not None:
                 counters.gauges["lr"] = self.sched.get_last_lr()[0]
+        self.timer.stop(tok, self.stream)
         t3 = time.perf_counter_ns()
         if counters is not None:
             counters.add_phase("drafter_fwd", t1 - t0)
