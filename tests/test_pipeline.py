@@ -125,3 +125,13 @@ def test_out_of_memory_names_batch_shape_and_setting(tmp_path, stage):
     with pytest.raises(StageError, match=rf"out of memory in the {stage} step on a batch of "
                                          rf"\d+ x \d+ tokens; lower batching\.max_tokens"):
         _run(tmp_path, **{"pipeline.fault": f"{stage}:2:oom"})
+
+
+def test_bf16_target_with_fp32_drafter_on_cpu(tmp_path):
+    target = tiny_target()
+    target.model.to(torch.bfloat16)
+    target.dtype = torch.bfloat16
+    target.embed_weight = target.model.get_input_embeddings().weight
+    cfg = tiny_config(tmp_path, **{"optim.epochs": 1})
+    res = train(cfg, target=target, train_set=tiny_dataset())
+    assert res.steps > 0 and all(m["loss"] == m["loss"] for _, m in res.history)

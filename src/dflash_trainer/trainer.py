@@ -196,11 +196,17 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                      state.step, state.epoch, len(state.consumed))
     start_steps = state.step
 
-    embed_weight = target.embed_weight.to(drafter_device)
+    # The drafter shares the target's frozen embedding and LM head. Without autocast they must
+    # also be in the drafter's dtype (e.g. a bf16 target on CPU with an fp32 drafter): then, or
+    # on another device, the drafter gets its own frozen copy.
+    head_dtype = target.embed_weight.dtype if autocast else next(drafter.parameters()).dtype
+    embed_weight = target.embed_weight.to(drafter_device, dtype=head_dtype)
     lm_head = target.lm_head
-    if drafter_device != torch.device(target.device):
+    if (drafter_device != torch.device(target.device)
+            or next(lm_head.parameters()).dtype != head_dtype):
         import copy
-        lm_head = copy.deepcopy(target.lm_head).to(drafter_device)
+        lm_head = copy.deepcopy(target.lm_head).to(drafter_device, dtype=head_dtype)
+        lm_head.requires_grad_(False)
     ring = ScalarRing(DrafterStep.metric_names(objective), capacity=256, device=drafter_device)
     recorder = RecordingRing(ring)
     drafter_step = DrafterStep(drafter=model, objective=objective, embed_weight=embed_weight,
