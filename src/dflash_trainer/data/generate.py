@@ -26,7 +26,9 @@ from dflash_trainer.errors import UserError
 log = logging.getLogger(__name__)
 
 # Settings of the embedded data set's responses (the `generate` CLI defaults).
-EMBEDDED_GEN = {"max_new_tokens": 256, "batch_size": 16, "temperature": 0.0, "top_p": 1.0}
+# Sized for the CPU demo: 244 prompts in about 5 minutes on 2 cores (batch 32 decodes ~25% more
+# tokens/s than 16 there; most answers end before 192 tokens).
+EMBEDDED_GEN = {"max_new_tokens": 192, "batch_size": 32, "temperature": 0.0, "top_p": 1.0}
 _PROVENANCE_KEYS = ("target", "max_new_tokens", "temperature", "top_p", "thinking")
 
 
