@@ -58,6 +58,11 @@ def make_cfg(run_dir: str, steps: int, schedule: str, extra=()):
         "--metrics.tensorboard=false", "--checkpoint.keep_last=1", *extra])
 
 
+def _autocast(cfg):
+    """The drafter's compute precision as the trainer applies it (bf16 autocast in the preset)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.pipeline.precision == "bf16")
+
+
 def run_ours(target, ds, steps, schedule, observe=True, extra=()) -> float:
     with tempfile.TemporaryDirectory() as d:
         cfg = make_cfg(d, steps, schedule, extra)
@@ -84,9 +89,9 @@ def run_colocated(target, ds, steps) -> float:
                 out = target.model(input_ids=b.input_ids, attention_mask=b.attention_mask,
                                    output_hidden_states=True)
                 feats = torch.cat([out.hidden_states[j + 1] for j in target.layer_ids], -1)
-            feats = feats.float()
-            res = obj(drafter, target.embed_weight, target.lm_head, feats, b.input_ids,
-                      b.loss_mask, gen)
+            with _autocast(cfg):
+                res = obj(drafter, target.embed_weight, target.lm_head, feats, b.input_ids,
+                          b.loss_mask, gen)
             res.loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
@@ -109,7 +114,7 @@ def isolated_rates(target, ds, steps) -> tuple[float, float]:
     torch.set_num_threads(t_thr)
     target.features(batches[0].input_ids, batches[0].attention_mask)     # warm-up
     t0 = time.perf_counter()
-    feats = [target.features(b.input_ids, b.attention_mask).float() for b in batches]
+    feats = [target.features(b.input_ids, b.attention_mask) for b in batches]
     t_rate = sum(b.num_real_tokens for b in batches) / (time.perf_counter() - t0)
     torch.set_num_threads(d_thr)
     drafter = build_drafter(cfg, target, "cpu")
@@ -120,7 +125,9 @@ def isolated_rates(target, ds, steps) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(0)
 
     def dstep(b, f):
-        res = obj(drafter, target.embed_weight, target.lm_head, f, b.input_ids, b.loss_mask, gen)
+        with _autocast(cfg):
+            res = obj(drafter, target.embed_weight, target.lm_head, f, b.input_ids, b.loss_mask,
+                      gen)
         res.loss.backward()
         guard(res.loss)
 

@@ -69,7 +69,7 @@ def main() -> None:
             from dflash_trainer.config import set_value
             for k, v in (("drafter.num_heads", 9), ("drafter.num_kv_heads", 3),
                          ("drafter.head_dim", 64), ("drafter.intermediate_size", 256),
-                         ("target.num_taps", 5)):
+                         ("target.num_taps", 5), ("batching.max_tokens", 1024)):
                 set_value(cfg, k, v)
         stats["cycles"] += 1
         if fault:

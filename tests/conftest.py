@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -51,3 +52,12 @@ def chatml_tokenizer():
 @pytest.fixture(scope="session")
 def llama3_tokenizer():
     return word_tokenizer(LLAMA3_SPECIALS, LLAMA3_TEMPLATE, bos="<|begin_of_text|>")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: intra-op threads only add sync cost (and CI boxes are small)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

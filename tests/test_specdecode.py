@@ -20,13 +20,7 @@ V, H = 128, 64
 LAYER_IDS = [0, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: one thread is faster, and the machine is shared.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_target(kind: str = "llama", seed: int = 0, layers: int = 4) -> nn.Module:

@@ -137,12 +137,28 @@ def to_markdown(rows: list[dict], header: str) -> str:
 
 
 def bench_command(cfg, args) -> int:
-    rows = run_all(quick=getattr(args, "quick", False))
-    header = f"Benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}"
-    md = to_markdown(rows, header)
+    """Runs the scripts one by one; results.json/.md are rewritten after each, so an interrupted
+    run keeps what finished. `--only S` reruns some scripts and keeps the other rows."""
     out = _bench_dir() / "out"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(md)
-    (out / "results.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
-    print(md)
+    only = list(getattr(args, "only", None) or [])
+    prev = out / "results.json"
+    kept = []
+    if only and prev.is_file():
+        kept = [r for r in json.loads(prev.read_text())["rows"] if r.get("script") not in only]
+    rows: list[dict] = []
+
+    def save(new_rows):
+        rows.extend(new_rows)
+        allr = kept + rows
+        header = f"Benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}"
+        (out / "results.md").write_text(to_markdown(allr, header))
+        (out / "results.json").write_text(json.dumps({"machine": machine(), "rows": allr},
+                                                     indent=2))
+
+    for script in ADAPTERS:
+        if only and script not in only:
+            continue
+        save(run_all(quick=getattr(args, "quick", False), only=[script]))
+    print((out / "results.md").read_text())
     return 0

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="launch this many processes with torchrun (0 = this process)")
         if name == "bench":
             p.add_argument("--quick", action="store_true", help="fewer repeats")
+            p.add_argument("--only", action="append", metavar="SCRIPT",
+                           help="run only this bench/ script (repeatable); other rows are kept")
     return parser
 
 

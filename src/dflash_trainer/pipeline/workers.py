@@ -122,6 +122,13 @@ class Worker(threading.Thread):
     def loop(self) -> None:
         raise NotImplementedError
 
+    def _get(self, q: BoundedQueue):
+        """Blocking get (timeouts + stop event inside), timed as this worker's input wait."""
+        t0 = time.perf_counter_ns()
+        item = q.get(self.stop)
+        self.counters.wait_in_ns += time.perf_counter_ns() - t0
+        return item
+
 
 class TargetWorker(Worker):
     """work_q -> TargetStep -> hs_q. Passes EpochEnd on; on End re-queues it for its siblings."""
@@ -134,9 +141,7 @@ class TargetWorker(Worker):
     def loop(self) -> None:
         c = self.counters
         while True:
-            t0 = time.perf_counter_ns()
-            item = self.work_q.get(self.stop)
-            c.wait_in_ns += time.perf_counter_ns() - t0
+            item = self._get(self.work_q)
             if isinstance(item, End):
                 self.work_q.put_nowait(item)    # siblings must see it too
                 self.hs_q.put(End(self.name), self.stop)
@@ -226,9 +231,7 @@ class DrafterWorker(Worker):
     def loop(self) -> None:
         c, ends = self.counters, 0
         while ends < self.num_producers:
-            t0 = time.perf_counter_ns()
-            item = self.hs_q.get(self.stop)
-            c.wait_in_ns += time.perf_counter_ns() - t0
+            item = self._get(self.hs_q)
             if isinstance(item, End):
                 ends += 1
                 continue
@@ -257,9 +260,7 @@ class SequentialWorker(Worker):
     def loop(self) -> None:
         c = self.counters
         while True:
-            t0 = time.perf_counter_ns()
-            item = self.work_q.get(self.stop)
-            c.wait_in_ns += time.perf_counter_ns() - t0
+            item = self._get(self.work_q)
             if isinstance(item, End):
                 break
             if isinstance(item, EpochEnd):
