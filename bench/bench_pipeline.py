@@ -140,12 +140,38 @@ def isolated_rates(target, ds, steps) -> tuple[float, float]:
     return t_rate, d_rate
 
 
+def overhead_only(steps: int, repeats: int) -> None:
+    """Observability on vs off, paired and alternating (on, off, off, on, ...) so drift cancels."""
+    cfg = load_config("smollm2-cpu")
+    target = TargetModel.load(cfg.target, "cpu")
+    ds = synthetic_dataset(400, target.vocab_size)
+    run_ours(target, ds, 2, "pipelined")
+    on, off = [], []
+    for r in range(repeats):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        for observe in order:
+            (on if observe else off).append(run_ours(target, ds, steps, "pipelined",
+                                                     observe=observe))
+        print(f"repeat {r}: on {on[-1]:.0f} tok/s, off {off[-1]:.0f} tok/s", file=sys.stderr)
+    rs = [a / b for a, b in zip(on, off)]
+    result = {"observability_on_vs_off": {"median": statistics.median(rs), "min": min(rs),
+                                          "max": max(rs)},
+              "steps_per_run": steps, "repeats": repeats,
+              "tokens_per_s": {"on": statistics.median(on), "off": statistics.median(off)}}
+    print(f"observability on / off: {statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f})")
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
+    ap.add_argument("--overhead", action="store_true",
+                    help="only observability on vs off, longer runs, more repeats")
     args = ap.parse_args()
     steps, repeats = (6, 1) if args.quick else (12, 3)
+    if args.overhead:
+        return overhead_only(steps=20, repeats=4)
     cfg = load_config("smollm2-cpu")
     target = TargetModel.load(cfg.target, "cpu")
     ds = synthetic_dataset(400, target.vocab_size)
