@@ -96,6 +96,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - counted: that is what the soak measures
                 stats["checkpoints_corrupted"] += 1
                 print(f"checkpoint {ck} failed to load: {e}", file=sys.stderr)
+        print(f"cycle {stats['cycles']}: fault {fault or '-'}, rss {rss_mib():.0f} MiB",
+              file=sys.stderr, flush=True)
         if stats["cycles"] == 5:             # after warm-up (imports, allocator pools)
             rss_after_first = rss_mib()
     # Ledger: every completed epoch has each sample exactly once.

@@ -397,6 +397,10 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         final_metrics.update(merged)
         if monitor is None:
             mon.close()
+        # `on_step_end` closes over `trainer`, which holds it: a reference cycle that would keep
+        # the drafter, optimizer and head copies alive until the next full GC (a soak that calls
+        # train() repeatedly saw RSS climb by ~230 MB per call).
+        trainer.on_step_end = None
     return TrainResult(run_dir=run_dir, steps=trainer.state.step, reason=outcome_reason,
                        wall_s=time.monotonic() - t0, tokens=trainer.state.tokens,
                        export_dir=export_dir, checkpoint=ck, metrics=final_metrics,
