@@ -21,19 +21,11 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trainer.errors import UserError
 
-try:
-    from dflash_trainer.data.sources import Conversation
-except ImportError:  # the data module not written yet: same fields, see CONTRACTS.md
-    @dataclass
-    class Conversation:  # type: ignore[no-redef]
-        id: str
-        messages: list[dict]
-        source: str
+from dflash_trainer.data.sources import Conversation
 
 log = logging.getLogger(__name__)
 
