@@ -76,9 +76,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="seq 512, 128 anchors")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--chunk-blocks", type=int, default=128,
+    ap.add_argument("--chunk-blocks", type=int, default=0,
                     help="drafter.loss_chunk_blocks (LM-head chunk; its logits are a fixed cost "
-                         "shared by both variants)")
+                         "shared by both variants); 0 = the product default (auto, ~128 MiB)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)          # child-process mode
     a = ap.parse_args()
     shape = QUICK if a.quick else FULL

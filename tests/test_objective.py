@@ -148,7 +148,7 @@ def test_loss_matches_naive_reference():
 def test_chunked_equals_unchunked_values_and_grads():
     ids, lm, feats = _data()
     results = []
-    for chunk in (1, 4, 1000):
+    for chunk in (1, 4, 1000, 0):                      # 0 = auto (memory budget)
         drafter, embed, lm_head = _setup()
         obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK, chunk_blocks=chunk)
         out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(1))
@@ -269,3 +269,36 @@ def test_bf16_autocast_close_to_fp32():
     assert out.loss.dtype == torch.float32
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
     torch.testing.assert_close(out.loss, ref.loss.detach(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_hand_written_linear_ce_matches_autograd(autocast):
+    """The in-place CE of the Linear fast path against plain autograd CE on the same logits,
+    in fp32 and under bf16 autocast (bf16 logits, upcast by the shift)."""
+    from dflash_trainer.train.objective import _linear_ce
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 3, 5, 16, generator=g)
+    weight = torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (2, 3, 5), generator=g)
+    wm = torch.rand(2, 3, 5, generator=g) * (torch.rand(2, 3, 5, generator=g) > 0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        hh = h.clone().requires_grad_(True)
+        logits = torch.nn.functional.linear(hh, weight)
+        ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 2), labels.flatten(),
+                                               reduction="none")
+        ref_num = (ce.view_as(wm) * wm).sum()
+        ref_grad, = torch.autograd.grad(ref_num, hh)
+        num, correct, grad_h = _linear_ce(h, weight, labels, wm, need_grad=True)
+    tol = dict(atol=2e-2, rtol=2e-2) if autocast else {}
+    torch.testing.assert_close(num, ref_num.detach(), **tol)
+    torch.testing.assert_close(grad_h, ref_grad, **tol)
+    assert torch.equal(correct, logits.argmax(dim=-1) == labels)
+
+
+def test_auto_chunk_is_sized_by_vocab_and_rows():
+    from dflash_trainer.train import objective as O
+    head = torch.nn.Linear(8, 49152, bias=False)
+    # 2^25 fp32 logits per chunk: 1 row x 15 slots -> 45 blocks; 8 rows -> 5; a huge vocab -> 1
+    assert O._auto_chunk_blocks(head, 1, 15) == (1 << 25) // (15 * 49152) == 45
+    assert O._auto_chunk_blocks(head, 8, 15) == 5
+    assert O._auto_chunk_blocks(torch.nn.Linear(8, 1 << 22, bias=False), 8, 15) == 1

@@ -108,8 +108,9 @@ class DrafterConfig:
     rope_theta: float = _f(0.0, "RoPE base; 0 = the target's", min=0.0)
     attention: str = _f("auto", "attention implementation: auto = flex on CUDA, split on CPU",
                         choices=("auto", "split", "dense", "flex"))
-    loss_chunk_blocks: int = _f(128, "blocks per LM-head chunk (logits never exist all at once)",
-                                unit="blocks", min=1)
+    loss_chunk_blocks: int = _f(0, "blocks per LM-head chunk (logits never exist all at once); "
+                                "0 = auto: about 128 MiB of fp32 logits per chunk, whatever the "
+                                "vocabulary and batch", unit="blocks", min=0)
     init_std: float = _f(0.02, "std of the random init of linear weights", min=0.0)
 
 

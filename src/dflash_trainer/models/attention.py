@@ -17,7 +17,8 @@ Three implementations behind one function, ``block_attention(..., impl=...)``:
     dense  reference: one boolean [Q, S+Q] mask and an explicit masked softmax.
     split  CPU-efficient: a context part with a per-block prefix limit and a block-local part with
            [B, h, N, bs, bs] scores, merged by log-sum-exp (a shared per-row max). Never builds the
-           [Q, Q] block mask; the context scores are produced a chunk of blocks at a time.
+           [Q, Q] block mask; a custom autograd function works a chunk of blocks at a time in both
+           passes and keeps only the output and the log-sum-exp for backward (flash-style).
     flex   FlexAttention with a compiled BlockMask (H=None, pitfall §5.8); CUDA only.
 """
 
@@ -26,12 +27,15 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 IMPLS = ("dense", "split", "flex")
 
 # Context-score chunk: at most this many (query x context-key) score elements per chunk of
-# blocks, so the transient fp32 scores stay ~64 MiB whatever N and S are.
-_SPLIT_CHUNK_ELEMS = 1 << 24
+# blocks, so the transient fp32 scores stay ~4 MiB whatever N and S are. Measured at the issue-4
+# shape on one thread: 2^20 is faster than both 2^18 (per-op overhead) and 2^22-2^24 (the
+# elementwise passes fall out of cache).
+_SPLIT_CHUNK_ELEMS = 1 << 20
 
 
 def resolve_impl(impl: str, device: torch.device | str) -> str:
@@ -110,75 +114,149 @@ def dense_attention(q, k, v, anchors, block_valid, block_size, scale=None):
 # (b) split: context prefix + block-local, merged by log-sum-exp
 # ------------------------------------------------------------------------------------------------
 
-def split_attention(q, k, v, anchors, block_valid, block_size, scale=None, checkpoint=None):
-    """Context part (kv < anchor) + block-local part, merged with one shared per-row max.
+def split_attention(q, k, v, anchors, block_valid, block_size, scale=None):
+    """Context part (kv < anchor) + block-local part, merged by log-sum-exp; flash-style memory.
 
-    With m = max over both parts (a constant for the gradient, so it is detached):
-        out = (sum_ctx e^(s-m) v + sum_blk e^(s-m) v) / (sum_ctx e^(s-m) + sum_blk e^(s-m))
-    which is the softmax over the union of both key sets, i.e. the log-sum-exp merge of the two
-    partial softmaxes. Each valid block sees at least its own bs block keys, so m is finite and no
-    row is empty. A padding block is let to see its own block (finite, harmless) and its output
-    is multiplied by 0, so it is exactly zero with zero gradients.
+    Per query row, with s_c the context scores and s_b the block scores:
+        lse = log(sum exp s_c + sum exp s_b),   out = sum exp(s - lse) v   over both key sets,
+    i.e. the softmax over the union, computed as two partial sums that share one row maximum.
+    Each valid block sees at least its own bs keys, so lse is finite and no row is empty. A padding
+    block is let to see its own block (finite, harmless) and its output and gradients are
+    multiplied by 0, so it is exactly zero.
 
-    Rows of different blocks are independent, so the work runs a chunk of blocks at a time; with
-    ``checkpoint`` (default: when grad is needed) each chunk is recomputed in backward, so neither
-    pass ever holds more than one chunk's [chunk*bs, S] context scores (flash-style memory).
+    Forward keeps only out and lse (fp32, the size of q); backward recomputes each chunk's scores
+    once and forms the gradients by hand (dS = P * (dP - rowsum(dO * O))), so neither pass holds
+    more than one chunk of [rows, S] context scores, and nothing is recomputed twice (activation
+    checkpointing would rerun the whole forward of the chunk and then autograd's backward).
     """
     B, hq, N, S, d = _check(q, k, anchors, block_size)
-    hkv = k.shape[1]
-    groups = hq // hkv
-    bs = block_size
-    scale = d ** -0.5 if scale is None else scale
-    if checkpoint is None:
-        checkpoint = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                  or v.requires_grad)
-
-    # Grouped layout: queries [B, hkv, groups, N, bs, d] so GQA needs no repeat of k/v.
-    qg = q.reshape(B, hkv, groups, N, bs, d)
-    k_ctx, v_ctx = k[:, :, :S], v[:, :, :S]
-    k_blk = k[:, :, S:].reshape(B, hkv, N, bs, d)
-    v_blk = v[:, :, S:].reshape(B, hkv, N, bs, d)
-
-    per_block = B * hq * bs * max(S, bs)
-    chunk = max(1, min(N, _SPLIT_CHUNK_ELEMS // per_block))
-    outs = []
-    for c0 in range(0, N, chunk):
-        c1 = min(N, c0 + chunk)
-        args = (qg[:, :, :, c0:c1], k_ctx, v_ctx, k_blk[:, :, c0:c1], v_blk[:, :, c0:c1],
-                anchors[:, c0:c1], block_valid[:, c0:c1])
-        if checkpoint:
-            o = torch.utils.checkpoint.checkpoint(_split_chunk, *args, scale, use_reentrant=False,
-                                                  preserve_rng_state=False)
-        else:
-            o = _split_chunk(*args, scale)
-        outs.append(o)
-    out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
-    return out.reshape(B, hq, N * bs, d)
+    scale = d ** -0.5 if scale is None else float(scale)
+    return _SplitAttention.apply(q, k, v, anchors, block_valid, block_size, scale)
 
 
-def _split_chunk(qg, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, scale):
-    """One chunk of n blocks. qg [B,hkv,g,n,bs,d]; k/v_ctx [B,hkv,S,d]; k/v_blk [B,hkv,n,bs,d]."""
-    f32 = torch.float32  # softmax statistics in fp32 whatever the input dtype (bf16 autocast)
+def _split_chunk_blocks(B, hq, bs, S) -> int:
+    return max(1, _SPLIT_CHUNK_ELEMS // (B * hq * bs * max(S, bs)))
+
+
+class _SplitAttention(torch.autograd.Function):
+    """Internal layout: [B, hkv, N, g, bs, ...] (g = query heads per kv head), so a chunk of
+    blocks is a contiguous slice and every product is one batched matmul over B*hkv with
+    n*g*bs rows: GQA needs no repeat of k/v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, anchors, block_valid, block_size, scale):
+        B, hq, N, S, d = _check(q, k, anchors, block_size)
+        hkv, bs = k.shape[1], block_size
+        g = hq // hkv
+        f32 = torch.float32  # fp32 scores and softmax statistics whatever the input dtype
+        with torch.autocast(q.device.type, enabled=False):
+            qp = _to_blocks(q, hkv, g, N, bs)                                 # [B,hkv,N,g,bs,d]
+            kf, vf = k.to(f32), v.to(f32)
+            k_ctx, v_ctx = kf[:, :, :S], vf[:, :, :S]
+            k_blk = kf[:, :, S:].reshape(B, hkv, N, bs, d)
+            v_blk = vf[:, :, S:].reshape(B, hkv, N, bs, d)
+            out = torch.empty(B, hkv, N, g, bs, d, dtype=f32, device=q.device)
+            lse = torch.empty(B, hkv, N, g, bs, 1, dtype=f32, device=q.device)
+            chunk = _split_chunk_blocks(B, hq, bs, S)
+            for c0 in range(0, N, chunk):
+                c1 = min(N, c0 + chunk)
+                qc = qp[:, :, c0:c1] * scale                                   # [B,hkv,n,g,bs,d]
+                s_blk = _block_scores(qc, k_blk[:, :, c0:c1])                 # [..,g,bs,bs]
+                m = s_blk.amax(dim=-1, keepdim=True)
+                if S > 0:
+                    s_ctx = _ctx_scores(qc, k_ctx, anchors[:, c0:c1])         # [..,g,bs,S]
+                    m = torch.maximum(m, s_ctx.amax(dim=-1, keepdim=True))
+                p_blk = s_blk.sub_(m).exp_()
+                num = torch.matmul(p_blk.flatten(3, 4), v_blk[:, :, c0:c1]).view_as(qc)
+                den = p_blk.sum(dim=-1, keepdim=True)
+                if S > 0:
+                    p_ctx = s_ctx.sub_(m).exp_()                               # masked -> 0
+                    num += torch.matmul(p_ctx.flatten(2, 4), v_ctx).view_as(qc)
+                    den += p_ctx.sum(dim=-1, keepdim=True)
+                out[:, :, c0:c1] = num.div_(den)
+                lse[:, :, c0:c1] = den.log_().add_(m)
+            out.mul_(_valid_view(block_valid))
+        ctx.save_for_backward(q, k, v, anchors, block_valid, out, lse)
+        ctx.block_size, ctx.scale = bs, scale
+        return _from_blocks(out, q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, anchors, block_valid, out, lse = ctx.saved_tensors
+        bs, scale = ctx.block_size, ctx.scale
+        B, hq, N, S, d = _check(q, k, anchors, bs)
+        hkv = k.shape[1]
+        g = hq // hkv
+        f32 = torch.float32
+        with torch.autocast(q.device.type, enabled=False):
+            qp = _to_blocks(q, hkv, g, N, bs)
+            do = _to_blocks(dout, hkv, g, N, bs).mul(_valid_view(block_valid))  # pad blocks: 0
+            D = (do * out).sum(dim=-1, keepdim=True)                           # [..,g,bs,1]
+            kf, vf = k.to(f32), v.to(f32)
+            k_ctx, v_ctx = kf[:, :, :S], vf[:, :, :S]
+            k_blk = kf[:, :, S:].reshape(B, hkv, N, bs, d)
+            v_blk = vf[:, :, S:].reshape(B, hkv, N, bs, d)
+            dq = torch.empty(B, hkv, N, g, bs, d, dtype=f32, device=q.device)
+            dk_ctx = torch.zeros(B, hkv, S, d, dtype=f32, device=q.device)
+            dv_ctx = torch.zeros(B, hkv, S, d, dtype=f32, device=q.device)
+            dk_blk = torch.empty(B, hkv, N, bs, d, dtype=f32, device=q.device)
+            dv_blk = torch.empty(B, hkv, N, bs, d, dtype=f32, device=q.device)
+            chunk = _split_chunk_blocks(B, hq, bs, S)
+            for c0 in range(0, N, chunk):
+                c1 = min(N, c0 + chunk)
+                qc = qp[:, :, c0:c1] * scale
+                doc, Dc, lc = do[:, :, c0:c1], D[:, :, c0:c1], lse[:, :, c0:c1]
+                kb, vb = k_blk[:, :, c0:c1], v_blk[:, :, c0:c1]
+                # block-local part: [B,hkv,n,(g bs),bs]
+                p = _block_scores(qc, kb).sub_(lc).exp_().flatten(3, 4)
+                dv_blk[:, :, c0:c1] = torch.matmul(p.transpose(-1, -2), doc.flatten(3, 4))
+                ds = torch.matmul(doc.flatten(3, 4), vb.transpose(-1, -2))
+                ds = ds.sub_(Dc.flatten(3, 4)).mul_(p)
+                dqc = torch.matmul(ds, kb).view_as(qc)
+                dk_blk[:, :, c0:c1] = torch.matmul(ds.transpose(-1, -2), qc.flatten(3, 4))
+                if S > 0:                                                     # [B,hkv,(n g bs),S]
+                    p = _ctx_scores(qc, k_ctx, anchors[:, c0:c1]).sub_(lc).exp_().flatten(2, 4)
+                    dof = doc.flatten(2, 4)
+                    dv_ctx += torch.matmul(p.transpose(-1, -2), dof)
+                    ds = torch.matmul(dof, v_ctx.transpose(-1, -2))
+                    ds = ds.sub_(Dc.flatten(2, 4)).mul_(p)
+                    dqc += torch.matmul(ds, k_ctx).view_as(qc)
+                    dk_ctx += torch.matmul(ds.transpose(-1, -2), qc.flatten(2, 4))
+                dq[:, :, c0:c1] = dqc.mul_(scale)
+            dq = _from_blocks(dq, q.dtype)
+            dk = torch.cat([dk_ctx, dk_blk.flatten(2, 3)], dim=2).to(k.dtype)
+            dv = torch.cat([dv_ctx, dv_blk.flatten(2, 3)], dim=2).to(v.dtype)
+        return dq, dk, dv, None, None, None, None
+
+
+def _to_blocks(x, hkv, g, N, bs):
+    """[B, hq, N*bs, d] (any dtype) -> fp32 [B, hkv, N, g, bs, d], contiguous."""
+    B, _, _, d = x.shape
+    return x.reshape(B, hkv, g, N, bs, d).transpose(2, 3).to(torch.float32).contiguous()
+
+
+def _from_blocks(x, dtype):
+    """fp32 [B, hkv, N, g, bs, d] -> [B, hq, N*bs, d] in dtype."""
+    B, hkv, N, g, bs, d = x.shape
+    return x.transpose(2, 3).reshape(B, hkv * g, N * bs, d).to(dtype)
+
+
+def _valid_view(block_valid):
+    return block_valid[:, None, :, None, None, None].to(torch.float32)
+
+
+def _block_scores(qc, kb):
+    """qc [B,hkv,n,g,bs,d] (scaled), kb [B,hkv,n,bs,d] -> [B,hkv,n,g,bs,bs]."""
+    return torch.matmul(qc.flatten(3, 4), kb.transpose(-1, -2)).view(*qc.shape[:-1], kb.shape[3])
+
+
+def _ctx_scores(qc, k_ctx, anchors_c):
+    """qc [B,hkv,n,g,bs,d] (scaled), k_ctx [B,hkv,S,d] -> [B,hkv,n,g,bs,S], -inf at kv >= anchor."""
     S = k_ctx.shape[2]
-    qf = qg.to(f32) * scale                                  # scale the small side, not scores
-    s_blk = torch.einsum("bhgnqd,bhnkd->bhgnqk", qf, k_blk.to(f32))                # [..,bs,bs]
-    if S > 0:
-        s_ctx = torch.einsum("bhgnqd,bhkd->bhgnqk", qf, k_ctx.to(f32))             # [..,bs,S]
-        vis = torch.arange(S, device=qg.device)[None, None, :] < anchors[:, :, None]   # [B,n,S]
-        s_ctx = s_ctx.masked_fill(~vis[:, None, None, :, None, :], float("-inf"))
-    with torch.no_grad():  # the shift m is a constant for the gradient: no graph, nothing saved
-        m = s_blk.amax(dim=-1, keepdim=True)
-        if S > 0:
-            m = torch.maximum(m, s_ctx.amax(dim=-1, keepdim=True))
-    p_blk = torch.exp(s_blk - m)
-    num = torch.einsum("bhgnqk,bhnkd->bhgnqd", p_blk, v_blk.to(f32))
-    den = p_blk.sum(dim=-1, keepdim=True)
-    if S > 0:
-        p_ctx = torch.exp(s_ctx - m)                                               # masked -> 0
-        num = num + torch.einsum("bhgnqk,bhkd->bhgnqd", p_ctx, v_ctx.to(f32))
-        den = den + p_ctx.sum(dim=-1, keepdim=True)
-    out = (num / den) * block_valid[:, None, None, :, None, None]
-    return out.to(qg.dtype)
+    s = torch.matmul(qc.flatten(2, 4), k_ctx.transpose(-1, -2)).view(*qc.shape[:-1], S)
+    hidden = torch.arange(S, device=qc.device) >= anchors_c[:, :, None]            # [B,n,S]
+    return s.masked_fill_(hidden[:, None, :, None, None, :], float("-inf"))
 
 
 # ------------------------------------------------------------------------------------------------

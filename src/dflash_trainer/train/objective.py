@@ -45,14 +45,14 @@ class StepOutput:
 
 class DFlashObjective:
     def __init__(self, block_size: int, num_anchors: int, gamma: float = 0.0,
-                 mask_token_id: int = 0, chunk_blocks: int = 128, attention: str | None = None):
+                 mask_token_id: int = 0, chunk_blocks: int = 0, attention: str | None = None):
         if block_size < 2:
             raise ValueError("block_size must be >= 2")
         self.block_size = block_size
         self.num_anchors = num_anchors
         self.gamma = float(gamma) if gamma and gamma > 0 else default_gamma(block_size)
         self.mask_token_id = int(mask_token_id)
-        self.chunk_blocks = max(1, int(chunk_blocks))
+        self.chunk_blocks = max(0, int(chunk_blocks))                            # 0 = auto
         self.attention = attention
         bs = block_size
         self.metric_names = (["loss", "acc"] + [f"acc_{k}" for k in range(1, bs)]
@@ -147,9 +147,10 @@ class DFlashObjective:
         w = self.slot_weights(hidden.device)                                      # [bs]
         wm = w * label_valid.float()                                              # [B,N,bs]
         need_grad = torch.is_grad_enabled() and hidden.requires_grad
+        chunk = self.chunk_blocks or _auto_chunk_blocks(lm_head, B, bs - 1)
         num_parts, correct_parts = [], []
-        for c0 in range(0, N, self.chunk_blocks):
-            c1 = min(N, c0 + self.chunk_blocks)
+        for c0 in range(0, N, chunk):
+            c1 = min(N, c0 + chunk)
             args = (h[:, c0:c1], lm_head, labels[:, c0:c1, 1:], wm[:, c0:c1, 1:])
             num_c, corr_c = _ChunkCE.apply(*args) if need_grad else _chunk_ce(*args)[:2]
             num_parts.append(num_c)
@@ -177,6 +178,19 @@ class DFlashObjective:
                           n_blocks.view(1), n_lab.view(1)])
 
 
+# Auto LM-head chunk: about this many fp32 logits (128 MiB) per chunk. Measured on CPU (SmolLM2's
+# 49,152 vocabulary): chunks of 16-32 blocks run as fast per token as 128-block chunks (the matmul
+# is still large; the elementwise passes stay closer to cache) at a quarter of the memory.
+_LOSS_CHUNK_ELEMS = 1 << 25
+
+
+def _auto_chunk_blocks(lm_head, rows: int, slots: int) -> int:
+    """Blocks per chunk so that rows * blocks * slots * vocab <= _LOSS_CHUNK_ELEMS."""
+    weight = getattr(lm_head, "weight", None)
+    vocab = weight.shape[0] if isinstance(weight, torch.Tensor) else 1 << 16
+    return max(1, _LOSS_CHUNK_ELEMS // (rows * slots * vocab))
+
+
 def _chunk_ce(h, lm_head, labels, wm, need_grad=False):
     """h [B,n,k,H] -> (sum(w*mask*CE) 0-d, top-1 correct [B,n,k] bool, d sum / d h or None).
 
@@ -196,17 +210,34 @@ def _chunk_ce(h, lm_head, labels, wm, need_grad=False):
 @torch.no_grad()
 def _linear_ce(h, weight, labels, wm, need_grad):
     """Same as the generic path for a bias-free Linear head, with the CE gradient written by hand
-    (softmax - onehot, weighted) into the logits buffer in place: one [rows, V] fp32 buffer at
-    the peak instead of four (logits, log_softmax, its grad, the logits grad)."""
+    (softmax - onehot, weighted) into one fp32 [rows, V] buffer in place: one buffer at the peak
+    instead of four (logits, log_softmax, its grad, the logits grad), and six passes over it
+    instead of about eleven (these elementwise passes, not the matmul, are most of the chunk's
+    time on CPU): max+argmax together, shift (fused with the fp32 upcast), exp, sum, scale, and
+    the cast back for the grad matmul.
+    """
     x = h.reshape(-1, h.shape[-1])
     lab, w = labels.reshape(-1, 1), wm.reshape(-1, 1)
-    logits = F.linear(x, weight).float()                     # F.linear follows autocast
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    num = ((lse - logits.gather(1, lab)) * w).sum()
-    correct = (logits.argmax(dim=-1, keepdim=True) == lab).view_as(labels)
+    logits = F.linear(x, weight)                             # F.linear follows autocast
+    mx, arg = logits.max(dim=-1, keepdim=True)               # one pass for both
+    correct = (arg == lab).view_as(labels)
+    target = logits.gather(1, lab).float()
+    mx = mx.float()
+    # z = exp(logits - max) in fp32: in place for fp32 logits; bf16 logits are upcast by the
+    # shift itself (one pass, bf16 in, fp32 out) and then freed.
+    if logits.dtype == torch.float32:
+        z = logits.sub_(mx)
+    else:
+        z = torch.sub(logits, mx, out=torch.empty(logits.shape, dtype=torch.float32,
+                                                   device=logits.device))
+    del logits
+    z.exp_()
+    se = z.sum(dim=-1, keepdim=True)
+    lse = se.log().add_(mx)
+    num = ((lse - target) * w).sum()
     grad_h = None
     if need_grad:
-        g = logits.sub_(lse).exp_().mul_(w)                  # w * softmax, in place
+        g = z.mul_(w / se)                                   # w * softmax, in place
         g.scatter_add_(1, lab, -w)                           # - w * onehot(label)
         cdt = x.dtype if not torch.is_autocast_enabled(x.device.type) \
             else torch.get_autocast_dtype(x.device.type)
