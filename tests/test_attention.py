@@ -1,5 +1,7 @@
 """Training attention: split and flex against the dense boolean-mask reference (method §2.3)."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -104,6 +106,8 @@ def test_resolve_impl():
     assert A.resolve_impl("dense", "cpu") == "dense"
     with pytest.raises(ValueError):
         A.resolve_impl("eager", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):      # CPU flex has no backward
+        A.resolve_impl("flex", "cpu")
 
 
 @pytest.mark.skipif(not A.flex_available(), reason="FlexAttention not importable")
@@ -114,6 +118,24 @@ def test_flex_mask_mod_matches_dense_eager_cpu():
     with pytest.warns(UserWarning):
         out = A.flex_block_attention(q, k, v, anchors, valid, BS, compile=False)
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.skipif(not A.flex_available() or shutil.which("g++") is None,
+                    reason="compiled FlexAttention on CPU needs inductor's C++ compiler")
+def test_flex_compiled_forward_matches_dense_cpu():
+    """The compiled flex kernel (inductor, CPU) with our BlockMask, GQA included, against dense.
+
+    CPU flex has no backward and inductor cannot compile create_block_mask on CPU, so the block
+    mask is built eagerly here; on CUDA both are compiled (test below)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    q, k, v, anchors, valid = _inputs(hq=4, hkv=2, N=6, S=13, d=16)
+    S = k.shape[2] - q.shape[2]
+    ref = A.dense_attention(q, k, v, anchors, valid, BS)
+    bm = create_block_mask(A.flex_mask_mod(anchors, valid, BS, S), q.shape[0], None, q.shape[2],
+                           k.shape[2], device="cpu", _compile=False)
+    out = A._compiled_flex()(q, k, v, block_mask=bm, enable_gqa=True)
+    keep = valid.repeat_interleave(BS, dim=1)[:, None, :, None]
+    torch.testing.assert_close(out * keep, ref)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not A.flex_available(),

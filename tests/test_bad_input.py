@@ -86,6 +86,15 @@ def test_taps_beyond_the_target(model_dir, tmp_path, capsys):
     assert rc == 2 and "layer 40 does not exist" in err and "6 layers" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flex is valid where CUDA is the device")
+def test_flex_attention_on_cpu_is_refused_before_training(model_dir, tmp_path, capsys):
+    path = _write(tmp_path / "d.jsonl", json.dumps(GOOD) + "\n")
+    rc = _train(model_dir, tmp_path, f"--data.sources={path}", "--drafter.attention=flex")
+    err = capsys.readouterr().err
+    assert rc == 2 and "drafter.attention=flex needs CUDA" in err and "split" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_tokenizer_without_chat_template(model_dir, tmp_path, capsys):
     d = tmp_path / "no_template"
     shutil.copytree(model_dir, d)

@@ -120,6 +120,11 @@ def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[in
 
 
 def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
+    from dflash_trainer.models.attention import resolve_impl
+    try:  # fail before any work, not at the first drafter step
+        resolve_impl(cfg.drafter.attention, device)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     dcfg = DFlashConfig.from_configs(cfg.drafter, target)
     torch.manual_seed(cfg.pipeline.seed)
     return DFlashDrafter(dcfg).to(device)

@@ -44,6 +44,9 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
         return "flex" if torch.device(device).type == "cuda" and flex_available() else "split"
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of auto/{'/'.join(IMPLS)}, got {impl!r}")
+    if impl == "flex" and torch.device(device).type != "cuda":
+        raise ValueError(f"drafter.attention=flex needs CUDA (FlexAttention has no backward on "
+                         f"{torch.device(device).type}); use split or auto")
     return impl
 
 

@@ -46,7 +46,8 @@ def oom_context(stage: str, shape) -> "contextlib.AbstractContextManager":
         rows, seq = int(shape[0]), int(shape[1])
         hint = ("batching.max_tokens (token budget per batch) or data.max_length"
                 if stage == "target" else
-                "batching.max_tokens, drafter.num_anchors or drafter.loss_chunk_blocks")
+                "batching.max_tokens or drafter.num_anchors, or set drafter.loss_chunk_blocks to a "
+                "few blocks (0 = auto, ~128 MiB of logits)")
         raise BatchOutOfMemory(
             f"out of memory in the {stage} step on a batch of {rows} x {seq} tokens; lower "
             f"{hint}, or give the stage more memory. ({type(e).__name__}: "
