@@ -154,10 +154,7 @@ class _SplitAttention(torch.autograd.Function):
         f32 = torch.float32  # fp32 scores and softmax statistics whatever the input dtype
         with torch.autocast(q.device.type, enabled=False):
             qp = _to_blocks(q, hkv, g, N, bs)                                 # [B,hkv,N,g,bs,d]
-            kf, vf = k.to(f32), v.to(f32)
-            k_ctx, v_ctx = kf[:, :, :S], vf[:, :, :S]
-            k_blk = kf[:, :, S:].reshape(B, hkv, N, bs, d)
-            v_blk = vf[:, :, S:].reshape(B, hkv, N, bs, d)
+            k_ctx, v_ctx, k_blk, v_blk = _split_kv(k, v, S, N, bs)
             out = torch.empty(B, hkv, N, g, bs, d, dtype=f32, device=q.device)
             lse = torch.empty(B, hkv, N, g, bs, 1, dtype=f32, device=q.device)
             chunk = _split_chunk_blocks(B, hq, bs, S)
@@ -196,10 +193,7 @@ class _SplitAttention(torch.autograd.Function):
             qp = _to_blocks(q, hkv, g, N, bs)
             do = _to_blocks(dout, hkv, g, N, bs).mul(_valid_view(block_valid))  # pad blocks: 0
             D = (do * out).sum(dim=-1, keepdim=True)                           # [..,g,bs,1]
-            kf, vf = k.to(f32), v.to(f32)
-            k_ctx, v_ctx = kf[:, :, :S], vf[:, :, :S]
-            k_blk = kf[:, :, S:].reshape(B, hkv, N, bs, d)
-            v_blk = vf[:, :, S:].reshape(B, hkv, N, bs, d)
+            k_ctx, v_ctx, k_blk, v_blk = _split_kv(k, v, S, N, bs)
             dq = torch.empty(B, hkv, N, g, bs, d, dtype=f32, device=q.device)
             dk_ctx = torch.zeros(B, hkv, S, d, dtype=f32, device=q.device)
             dv_ctx = torch.zeros(B, hkv, S, d, dtype=f32, device=q.device)
@@ -231,6 +225,14 @@ class _SplitAttention(torch.autograd.Function):
             dk = torch.cat([dk_ctx, dk_blk.flatten(2, 3)], dim=2).to(k.dtype)
             dv = torch.cat([dv_ctx, dv_blk.flatten(2, 3)], dim=2).to(v.dtype)
         return dq, dk, dv, None, None, None, None
+
+
+def _split_kv(k, v, S, N, bs):
+    """[B, hkv, S + N*bs, d] -> fp32 context k/v [B,hkv,S,d] and block k/v [B,hkv,N,bs,d]."""
+    B, hkv, _, d = k.shape
+    kf, vf = k.to(torch.float32), v.to(torch.float32)
+    return (kf[:, :, :S], vf[:, :, :S], kf[:, :, S:].reshape(B, hkv, N, bs, d),
+            vf[:, :, S:].reshape(B, hkv, N, bs, d))
 
 
 def _to_blocks(x, hkv, g, N, bs):
