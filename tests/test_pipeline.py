@@ -135,3 +135,20 @@ def test_bf16_target_with_fp32_drafter_on_cpu(tmp_path):
     cfg = tiny_config(tmp_path, **{"optim.epochs": 1})
     res = train(cfg, target=target, train_set=tiny_dataset())
     assert res.steps > 0 and all(m["loss"] == m["loss"] for _, m in res.history)
+
+
+@pytest.mark.parametrize("schedule", ["pipelined", "sequential"])
+def test_wrong_features_stop_the_run_before_any_step(tmp_path, schedule):
+    """The startup tap check runs through the training capture path, on both schedules."""
+    from dflash_trainer.errors import UserError
+    target = tiny_target(layers=6)
+    target.layer_ids = list(reversed(target.layer_ids))      # hooks no longer match the ids
+    cfg = tiny_config(tmp_path, **{"pipeline.schedule": schedule})
+    with pytest.raises(UserError, match="differ from output_hidden_states"):
+        train(cfg, target=target, train_set=tiny_dataset())
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir())
+    # ... and with the check off, the same run trains (the check is what stopped it)
+    cfg = tiny_config(tmp_path / "off", **{"pipeline.schedule": schedule,
+                                           "target.check_taps": False, "optim.max_steps": 2})
+    assert train(cfg, target=target, train_set=tiny_dataset()).steps == 2

@@ -188,6 +188,31 @@ def test_tapped_forward_full_and_incremental(build):
     assert_close(l3[:, -1], ref.logits[:, -1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3])
+def test_tap_check_passes_on_a_correct_capture(build):
+    t = TargetModel.from_hf(build(layers=6), None, [0, 2, 5])   # last layer: not compared
+    assert t.check_taps() < 1e-5
+
+
+def test_tap_check_catches_hooks_on_the_wrong_layers():
+    """Hooks capture layers 1 and 3 while the layer ids say 3 and 1: what happens when the
+    hooked modules are not the layers the ids name."""
+    t = TargetModel.from_hf(tiny_llama(layers=6), None, [1, 3])
+    t.layer_ids = [3, 1]
+    with pytest.raises(UserError, match=r"layer 3 differ from output_hidden_states\[4\].*"
+                                        r"LlamaDecoderLayer modules of LlamaForCausalLM"):
+        t.check_taps()
+
+
+def test_tap_check_catches_non_finite_features():
+    model = tiny_llama(layers=6)
+    t = TargetModel.from_hf(model, None, [1, 3])
+    model.model.layers[2].register_forward_hook(       # feeds tapped layer 3
+        lambda mod, args, out: (out[0] if isinstance(out, tuple) else out) * float("inf"))
+    with pytest.raises(UserError, match=r"layer 3 produced non-finite hidden states in float32"):
+        t.check_taps()
+
+
 def test_load_missing_dir_is_user_error(tmp_path):
     cfg = TargetConfig(model=str(tmp_path / "no" / "such" / "model"))
     with pytest.raises(UserError, match="target.model: cannot load"):

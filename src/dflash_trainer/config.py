@@ -89,6 +89,9 @@ class TargetConfig:
     trust_remote_code: bool = _f(False, "allow the target repo's own Python code (off by default)")
     cache_dir: str = _f("", "cache for converted models ('' = ~/.cache/dflash-trainer)")
     enable_thinking: bool = _f(False, "chat template thinking mode, where the template has one")
+    check_taps: bool = _f(True, "at startup, compare the captured features of one short random "
+                          "sequence with output_hidden_states (catches hooks on the wrong "
+                          "modules and non-finite features before any training)")
 
 
 @dataclass(kw_only=True, slots=True)

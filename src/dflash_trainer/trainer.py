@@ -119,6 +119,15 @@ def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[in
     return total, per_epoch
 
 
+def _check_taps(cfg: Config, step: TargetStep, name: str) -> None:
+    if not cfg.target.check_taps or not hasattr(step.target, "check_taps"):
+        return
+    t0 = time.perf_counter()
+    err = step.check()
+    log.info("%s: tapped layers %s match output_hidden_states (max relative error %.1e; "
+             "checked in %.2f s)", name, step.target.layer_ids, err, time.perf_counter() - t0)
+
+
 def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
     from dflash_trainer.models.attention import resolve_impl
     try:  # fail before any work, not at the first drafter step
@@ -306,6 +315,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         for i, tgt in enumerate(targets):
             step_fn = target_step if tgt is target else TargetStep(tgt, drafter_device,
                                                                    feature_dtype)
+            _check_taps(cfg, step_fn, f"target{i}")
             threads.append(TargetWorker(f"target{i}", events, stop, t_threads, faults,
                                         step_fn=step_fn, work_q=work_q, hs_q=hs_q,
                                         lock=target_lock))
@@ -313,6 +323,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                                      trainer=trainer, hs_q=hs_q, num_producers=len(targets),
                                      done=done))
     else:
+        _check_taps(cfg, target_step, "target")
         threads.append(SequentialWorker("sequential0", events, stop, t_threads, faults,
                                         target_step=target_step, trainer=trainer, work_q=work_q,
                                         done=done, lock=target_lock))

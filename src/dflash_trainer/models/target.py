@@ -222,6 +222,58 @@ class TargetModel:
             raise RuntimeError("a tapped layer did not run; the model skipped a decoder layer")
         return feats
 
+    def check_taps(self, features_fn=None, seq_len: int = 32, seed: int = 0) -> float:
+        """Startup integrity check of the captured features (not a hot path: it reads values).
+
+        Runs one short random sequence through the capture path (`features_fn(ids)`, by default
+        `self.features`) and through a plain HF forward with `output_hidden_states=True`, and
+        requires tap k to equal hidden_states[layer_ids[k] + 1] and every value to be finite.
+        This catches hooks on the wrong modules (an architecture whose decoder layers are not
+        where `_decoder_layers` finds them), a layer that returns something other than its
+        hidden states, and a target that overflows in its dtype: each of these would otherwise
+        train a drafter on silently wrong features. Returns the largest relative error.
+
+        The last decoder layer is not compared: HF applies the final norm to that entry.
+        """
+        vocab = self.vocab_size
+        try:                                # padded embedding rows are not real tokens
+            vocab = min(vocab, len(self.tokenizer))
+        except TypeError:
+            pass
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (1, seq_len), generator=g).to(self.device)
+        feats = (features_fn or self.features)(ids)
+        H = self.hidden_size
+        with torch.no_grad():
+            kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
+                self.model.forward).parameters else {}
+            hs = self.model(input_ids=ids, output_hidden_states=True, use_cache=False,
+                            **kw).hidden_states
+        # bf16/fp16 features may come from another attention kernel (mask given vs not): allow
+        # a rounding-sized difference, relative to the layer's largest value.
+        tol = 1e-4 if self.dtype == torch.float32 else 3e-2
+        worst = 0.0
+        for k, lid in enumerate(self.layer_ids):
+            got = feats[..., k * H:(k + 1) * H].float().to(self.device)
+            if not torch.isfinite(got).all():
+                raise UserError(
+                    f"target {self.name}: tapped layer {lid} produced non-finite hidden states "
+                    f"in {str(self.dtype).replace('torch.', '')}. Load the target in another "
+                    "dtype (target.dtype=bfloat16 or float32).")
+            if lid == self.num_layers - 1:
+                continue
+            want = hs[lid + 1].float()
+            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+            worst = max(worst, err)
+            if err > tol:
+                raise UserError(
+                    f"target {self.name}: the features captured at layer {lid} differ from "
+                    f"output_hidden_states[{lid + 1}] (relative error {err:.2e} > {tol:.0e}). "
+                    f"dflash-trainer hooks {type(self._layers[lid]).__name__} modules of "
+                    f"{type(self.model).__name__}; this architecture does not fit that. Report "
+                    "it with the model name; target.taps cannot fix it.")
+        return worst
+
     def new_cache(self):
         """An empty KV cache for `tapped_forward`."""
         from transformers import DynamicCache

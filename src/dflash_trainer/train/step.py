@@ -48,6 +48,12 @@ class TargetStep:
             self._masks[seq_len] = m
         return m
 
+    def check(self) -> float:
+        """The target's tap integrity check through this step's own capture path (the cached
+        4-D causal mask included). Startup only."""
+        return self.target.check_taps(
+            lambda ids: self.target.features(ids, self._causal_mask(ids.shape[1])))
+
     def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
         b: Batch = item.batch
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
