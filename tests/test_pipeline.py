@@ -99,7 +99,10 @@ class _NanTarget:
 
 
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
-    cfg = tiny_config(tmp_path, **{"optim.max_consecutive_skips": 4, "optim.epochs": 6})
+    # NaN from the first batch would be refused by the startup tap check (tested in
+    # test_target); this test is about NaN that appears mid-run, so the check is off here.
+    cfg = tiny_config(tmp_path, **{"optim.max_consecutive_skips": 4, "optim.epochs": 6,
+                                   "target.check_taps": False})
     target = tiny_target()
     with pytest.raises(StageError, match="consecutive optimizer steps had a non-finite"):
         train(cfg, target=_NanTarget(target), train_set=tiny_dataset())
