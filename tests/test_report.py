@@ -39,7 +39,9 @@ def synthetic_run(run_dir, n=60, seed=0):
             for k in range(8):     # accuracy decays with position in the block
                 rec[f"drafter/acc_{k}"] = 0.9 * (0.8 ** k) * (1 - math.exp(-(i + 1) / 10))
             f.write(json.dumps(rec) + "\n")
-        f.write(json.dumps({"kind": "event", "step": 600, "eval/accept_len": 3.7}) + "\n")
+        # as PeriodicEval logs it (trainer.py)
+        f.write(json.dumps({"kind": "event", "step": 600, "eval/tau": 3.7, "eval/step": 600})
+                + "\n")
         f.write('{"kind": "metrics", "step": 999, "torn')      # a torn last line is skipped
 
 
@@ -53,7 +55,24 @@ def test_full_report(tmp_path):
         assert data.startswith(PNG_MAGIC) and len(data) > 8000, name
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == len(ALL_PLOTS)
-    assert "skipped" not in html and "eval/accept_len=3.7" in html
+    assert "skipped" not in html and "eval/tau=3.7" in html
+
+
+def test_acceptance_chart_holds_training_estimate_and_heldout_tau(tmp_path, monkeypatch):
+    """The train-vs-serving check: eval/tau (an event) is drawn beside drafter/accept_len."""
+    from dflash_trainer.observe import report as R
+    drawn = {}
+    real_save = R._Report._save
+
+    def spy(self, fig, fname, title, note=""):
+        drawn[fname] = sorted(l.get_label() for ax in fig.axes for l in ax.get_lines())
+        return real_save(self, fig, fname, title, note)
+
+    monkeypatch.setattr(R._Report, "_save", spy)
+    run = tmp_path / "run"
+    synthetic_run(run)
+    R.write_report(run)
+    assert drawn["accept_len.png"] == ["drafter/accept_len", "eval/tau"]
 
 
 def test_missing_series_skipped_with_note(tmp_path):

@@ -71,7 +71,8 @@ class _Report:
         self.sections: list[tuple[str, str | None, str]] = []   # (title, png name or None, note)
 
     def lines(self, fname: str, title: str, panels: list[tuple[str, list[str], str]],
-              x: str = "time/elapsed_s", xlabel: str = "elapsed (s)", rows=None) -> None:
+              x: str = "time/elapsed_s", xlabel: str = "elapsed (s)", rows=None,
+              note: str = "") -> None:
         """One figure, one subplot per panel (ylabel, keys, key prefix to strip from labels)."""
         rows = self.rows if rows is None else rows
         panels = [(yl, [k for k in keys if _series(rows, k, x)[1]], strip)
@@ -92,7 +93,7 @@ class _Report:
             ax.legend(fontsize=8, loc="best")
         axes[-1, 0].set_xlabel(xlabel)
         axes[0, 0].set_title(title)
-        self._save(fig, fname, title)
+        self._save(fig, fname, title, note)
 
     def _save(self, fig, fname: str, title: str, note: str = "") -> None:
         fig.tight_layout()
@@ -136,6 +137,8 @@ class _Report:
                 continue
             b64 = base64.b64encode((self.out / fname).read_bytes()).decode()
             parts.append(f"<img alt='{html.escape(fname)}' src='data:image/png;base64,{b64}'>")
+            if note:
+                parts.append(f"<p>{html.escape(note)}</p>")
         if self.events:
             parts.append("<h2>Events</h2><ul>")
             for e in self.events[-200:]:
@@ -173,10 +176,17 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             x="step", xlabel="drafter step")
     window = max(1, len(rows) // 10)
     r.accuracy("accuracy.png", window)
-    # Eval results arrive as events (monitor.log_event) and share the step axis.
-    r.lines("accept_len.png", "Acceptance length", [
-        ("tokens", k(r"^drafter/accept_len$") + _keys(events, r"^eval/.*accept.*$"), "")],
-        x="step", xlabel="drafter step", rows=rows + events)
+    # Eval results arrive as events (monitor.log_event) and share the step axis. Training's
+    # simulated acceptance and the measured tau of real decoding on held-out prompts on one
+    # chart: the train-vs-serving check (a wide gap = a train/inference mismatch or overfitting).
+    r.lines("accept_len.png", "Acceptance length: training estimate vs held-out decoding", [
+        ("tokens", k(r"^drafter/accept_len$") + _keys(events, r"^eval/(tau|best_tau)$"), "")],
+        x="step", xlabel="drafter step", rows=rows + events,
+        note="drafter/accept_len: expected accepted length per block on training batches "
+             "(correct-prefix length + 1, computed on device). eval/tau: tokens per target "
+             "forward when the drafter actually decodes held-out prompts (pipeline.eval). The "
+             "two should track each other; a training estimate far above tau means the drafter "
+             "does not generalise or training and inference disagree.")
     r.lines("padding.png", "Padding efficiency", [
         ("real / padded", k(r"^batch/padding_eff$") + k(r"^worker/[^/]+/padding_eff$"), "")])
     r.lines("memory.png", "Memory over time", [
