@@ -71,6 +71,8 @@ def demo_command(cfg: Config, args) -> int:
         _say("4/6 training (pipelined: prefetcher -> target -> drafter)")
         result = train(cfg, target=target, train_set=train_set, heldout=heldout)
         _say(f"    {result.steps} steps in {result.wall_s:.0f} s ({result.reason})")
+        if result.balance:
+            _say(f"    {result.balance}")
         if result.reason == "signal":
             _say(f"stopped by a signal; checkpoint {result.checkpoint}. Resume training with "
                  f"`dflash-trainer train --preset smollm2-cpu --run_dir={run_dir} "

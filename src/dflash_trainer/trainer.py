@@ -24,6 +24,7 @@ from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.export import export_drafter
+from dflash_trainer.observe.balance import assess as assess_balance
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.pipeline.queues import BoundedQueue
@@ -88,6 +89,7 @@ class TrainResult:
     checkpoint: Path | None
     metrics: dict = field(default_factory=dict)        # last monitor snapshot
     history: list = field(default_factory=list)        # (step, drafter metrics) from the ring
+    balance: str = ""                                   # which stage bounded the run, and advice
 
 
 def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler:
@@ -371,6 +373,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     t0 = time.monotonic()
     outcome = None
     merged: dict = {}
+    balance = ""
     try:
         with signals:
             if start_steps >= total_steps:
@@ -384,6 +387,17 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                         raise
                     raise dist.explain_failure(e)
                 outcome_reason = "signal" if trainer.stopped_by_vote else outcome.reason
+        bal = assess_balance([t.counters for t in threads])
+        if bal is not None:
+            balance = bal.advice()
+            log.info("%s", balance)
+            mon.log_event({"pipeline/verdict": bal.verdict,
+                           "pipeline/target_busy": round(bal.target_busy, 4),
+                           "pipeline/drafter_busy": round(bal.drafter_busy, 4),
+                           "pipeline/target_tok_s_per_worker": round(bal.target_tok_s, 1),
+                           "pipeline/drafter_tok_s": round(bal.drafter_tok_s, 1),
+                           "pipeline/targets_per_drafter": round(bal.targets_per_drafter, 3)},
+                          trainer.state.step)
         # The drafter thread has stopped: its state is consistent. Checkpoint + export.
         if dist is not None:        # final snapshot; the checkpoint gather then orders it
             dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest(), threads[-1].counters,
@@ -420,7 +434,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     return TrainResult(run_dir=run_dir, steps=trainer.state.step, reason=outcome_reason,
                        wall_s=time.monotonic() - t0, tokens=trainer.state.tokens,
                        export_dir=export_dir, checkpoint=ck, metrics=final_metrics,
-                       history=history)
+                       history=history, balance=balance)
 
 
 class PeriodicEval:
@@ -537,4 +551,6 @@ def train_command(cfg: Config, args) -> int:
         return 0
     print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.reason}); "
           f"export: {result.export_dir}; checkpoint: {result.checkpoint}")
+    if result.balance:
+        print(result.balance)
     return 0
