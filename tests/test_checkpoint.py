@@ -96,3 +96,75 @@ def test_sigkill_during_checkpoint_writes(tmp_path):
     st = load_checkpoint(ck, drafter=m2, optimizer=o2, scheduler=s2, generator=g2,
                          config={"x": 1})
     assert st.step >= 1
+
+
+# ------------------------------------------------------------------ background writes
+
+def _snap(step, model, opt, sched, gen, ledger=()):
+    from dflash_trainer.checkpoint import snapshot_checkpoint
+    return snapshot_checkpoint(drafter=model, optimizer=opt, scheduler=sched, generator=gen,
+                               state=TrainState(step=step, consumed=[0]), config={"x": 1},
+                               ledger=list(ledger))
+
+
+def test_snapshot_is_isolated_from_later_updates(tmp_path):
+    """What is written is the state at the snapshot, even if training changes the live
+    weights and optimizer buffers in place before the write."""
+    from dflash_trainer.checkpoint import write_checkpoint
+    model, opt, sched, gen = _parts()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_avg = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
+    snap = _snap(5, model, opt, sched, gen)
+    with torch.no_grad():                          # a training step after the snapshot
+        for p in model.parameters():
+            p.add_(1.0)
+        opt.state[next(iter(model.parameters()))]["exp_avg"].add_(1.0)
+    path = write_checkpoint(tmp_path, snap, keep_last=3)
+    m2, o2, s2, g2 = _parts(seed=3)
+    load_checkpoint(path, drafter=m2, optimizer=o2, scheduler=s2, generator=g2, config={"x": 1})
+    for k, v in m2.state_dict().items():
+        torch.testing.assert_close(v, want[k])
+    torch.testing.assert_close(o2.state[next(iter(m2.parameters()))]["exp_avg"], want_avg)
+
+
+def test_async_writer_returns_at_once_and_orders_writes(tmp_path, monkeypatch):
+    import threading
+
+    from dflash_trainer import checkpoint as C
+    release, seen = threading.Event(), []
+    real = C.write_checkpoint
+
+    def slow_write(run_dir, snap, **kw):
+        seen.append((snap.step, threading.current_thread().name, release.wait(10)))
+        return real(run_dir, snap, **kw)
+
+    monkeypatch.setattr(C, "write_checkpoint", slow_write)
+    done = []
+    w = C.AsyncCheckpointWriter(tmp_path, keep_last=3, on_done=lambda p, s: done.append(s.step))
+    model, opt, sched, gen = _parts()
+    w.submit(_snap(1, model, opt, sched, gen))
+    assert done == []                 # submit returned while the write is blocked
+    release.set()                     # (a synchronous write would have waited 10 s and failed)
+    w.submit(_snap(2, model, opt, sched, gen))      # waits for step 1 first
+    assert w.wait().name == "step-0000002"
+    assert done == [1, 2]
+    assert [s for s, _, _ in seen] == [1, 2] and all(ok for _, _, ok in seen)
+    assert all(name.startswith("ckpt-writer") for _, name, _ in seen)
+
+
+def test_async_write_failure_is_raised_in_the_caller(tmp_path, monkeypatch):
+    from dflash_trainer import checkpoint as C
+    model, opt, sched, gen = _parts()
+    w = C.AsyncCheckpointWriter(tmp_path, keep_last=3)
+    w.submit(_snap(1, model, opt, sched, gen))
+    w.wait()
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(C, "save_file", full_disk)
+    w.submit(_snap(2, model, opt, sched, gen))
+    with pytest.raises(UserError, match="could not write checkpoint .*step-0000002.*intact"):
+        w.wait()
+    assert latest_checkpoint(tmp_path).name == "step-0000001"
+    assert w.wait() is None           # reported once

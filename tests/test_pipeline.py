@@ -66,6 +66,27 @@ def test_resume_after_sigterm_matches_uninterrupted(tmp_path):
         assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
 
 
+def test_resume_from_background_checkpoint_after_a_crash_matches_uninterrupted(tmp_path):
+    """Periodic checkpoints are written on a background thread from a host snapshot; a stage
+    failure later leaves the last of them as `latest`. Resuming from it reproduces the
+    uninterrupted losses, and the ledger holds every sample once per epoch."""
+    full = _run(tmp_path / "full", **{"optim.epochs": 3})
+    over = {"optim.epochs": 3, "checkpoint.every_steps": 4}
+    with pytest.raises(StageError, match="injected fault in stage 'drafter' at step 10"):
+        _run(tmp_path / "run2", **over, **{"pipeline.fault": "drafter:10"})
+    from dflash_trainer.checkpoint import latest_checkpoint
+    assert latest_checkpoint(tmp_path / "run2" / "run").name == "step-0000008"
+    cfg = tiny_config(tmp_path / "run2", **over, **{"checkpoint.resume": True})
+    res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
+    lf, lr = _losses(full), _losses(res)
+    assert min(lr) == 9 and max(lr) == full.steps
+    for step in lr:
+        assert lr[step] == pytest.approx(lf[step], rel=1e-5, abs=1e-6), step
+    ledger = _ledger(res.run_dir)
+    for epoch in range(3):
+        assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
+
+
 @pytest.mark.parametrize("schedule,stage", [("pipelined", "prefetch"), ("pipelined", "target"),
                                             ("pipelined", "drafter"), ("sequential", "target")])
 def test_fault_in_a_stage_stops_the_run_naming_it(tmp_path, schedule, stage):

@@ -15,11 +15,13 @@ mid-write leaves the previous checkpoint and `latest` intact.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,30 +76,64 @@ def ckpt_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir, *, drafter, optimizer, scheduler, generator: torch.Generator,
-                    state: TrainState, config: dict, keep_last: int, export_fn=None,
-                    extra_meta: dict | None = None, extra_blob: dict | None = None) -> Path:
+@dataclass
+class CheckpointSnapshot:
+    """Everything a checkpoint holds, copied to host memory at one step boundary: training may go
+    on while it is written (AsyncCheckpointWriter), and what lands on disk is this step's state."""
+
+    step: int
+    weights: dict                 # trainable drafter tensors (CPU copies)
+    blob: dict                    # optimizer.pt content (CPU copies)
+    meta: dict                    # state.json content
+    ledger: list = field(default_factory=list)   # sample-ledger entries up to this step
+
+
+def _host_copy(obj):
+    """Deep copy with every tensor copied to CPU (optimizer state tensors are live buffers)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def snapshot_checkpoint(*, drafter, optimizer, scheduler, generator: torch.Generator,
+                        state: TrainState, config: dict, extra_meta: dict | None = None,
+                        extra_blob: dict | None = None, ledger=None) -> CheckpointSnapshot:
     """`extra_meta` (JSON) joins state.json and `extra_blob` (tensors) optimizer.pt: the
-    per-rank states of a torchrun run (pipeline/distributed.py)."""
+    per-rank states of a torchrun run (pipeline/distributed.py). Reads device values: call it
+    between steps, never inside one."""
+    weights = {k: v.detach().to("cpu", copy=True).contiguous()
+               for k, v in drafter.state_dict().items()}
+    blob = _host_copy({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                       "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
+                       **(extra_blob or {})})
+    meta = {"train_state": state.to_json(), "config": config, "format": 1,
+            **copy.deepcopy(extra_meta or {})}
+    return CheckpointSnapshot(step=state.step, weights=weights, blob=blob, meta=meta,
+                              ledger=list(ledger or []))
+
+
+def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int,
+                     export_fn=None) -> Path:
+    """Write `snap` as `checkpoints/step-N` atomically; `export_fn(out_dir, weights)` adds the
+    published-format export from the same weights."""
     root = ckpt_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{state.step:07d}"
+    name = f"step-{snap.step:07d}"
     final = root / name
     tmp = root / f"{name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        weights = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
-        save_file(weights, str(tmp / "drafter.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
-                    **(extra_blob or {})},
-                   tmp / "optimizer.pt")
-        _write_json(tmp / "state.json", {"train_state": state.to_json(), "config": config,
-                                          "format": 1, **(extra_meta or {})})
+        save_file(snap.weights, str(tmp / "drafter.safetensors"))
+        torch.save(snap.blob, tmp / "optimizer.pt")
+        _write_json(tmp / "state.json", snap.meta)
         if export_fn is not None:
-            export_fn(tmp / "export")
+            export_fn(tmp / "export", snap.weights)
         for f in tmp.iterdir():
             if f.is_file():
                 with open(f, "rb") as fh:
@@ -116,6 +152,69 @@ def save_checkpoint(run_dir, *, drafter, optimizer, scheduler, generator: torch.
                         "intact; free disk space and resume with --checkpoint.resume=true.") from e
     _prune(root, keep_last)
     return final
+
+
+def save_checkpoint(run_dir, *, drafter, optimizer, scheduler, generator: torch.Generator,
+                    state: TrainState, config: dict, keep_last: int, export_fn=None,
+                    extra_meta: dict | None = None, extra_blob: dict | None = None) -> Path:
+    """Snapshot + write, in the caller's thread."""
+    snap = snapshot_checkpoint(drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                               generator=generator, state=state, config=config,
+                               extra_meta=extra_meta, extra_blob=extra_blob)
+    return write_checkpoint(run_dir, snap, keep_last=keep_last, export_fn=export_fn)
+
+
+class AsyncCheckpointWriter:
+    """Writes snapshots on a background thread, one at a time, so the drafter trains on while
+    files are written and fsynced (for a 1B-parameter drafter with AdamW that is ~12 GB).
+
+    At most one write is in flight: `submit` first waits for the previous one, which bounds the
+    host memory to one snapshot and keeps checkpoints and their ledger entries in step order.
+    A failed write is raised (once) by the next `submit` or by `wait`, in the training thread.
+    Atomicity is unchanged: a write that dies half-way leaves only a `.tmp-` directory.
+    """
+
+    def __init__(self, run_dir, *, keep_last: int, export_fn=None, on_done=None,
+                 timeout_s: float = 3600.0):
+        self.run_dir, self.keep_last, self.export_fn = run_dir, keep_last, export_fn
+        self.on_done = on_done          # on_done(path, snap), on the writer thread
+        self.timeout_s = timeout_s
+        self._thread: threading.Thread | None = None
+        self._result: tuple[Path | None, BaseException | None] = (None, None)
+
+    def submit(self, snap: CheckpointSnapshot) -> None:
+        self.wait()
+        self._result = (None, None)
+        self._thread = threading.Thread(target=self._write, args=(snap,), daemon=True,
+                                        name=f"ckpt-writer-{snap.step}")
+        self._thread.start()
+
+    def _write(self, snap: CheckpointSnapshot) -> None:
+        try:
+            path = write_checkpoint(self.run_dir, snap, keep_last=self.keep_last,
+                                    export_fn=self.export_fn)
+            if self.on_done is not None:
+                self.on_done(path, snap)
+            self._result = (path, None)
+        except BaseException as e:   # crosses to the training thread as a value
+            self._result = (None, e)
+
+    def wait(self) -> Path | None:
+        """Block until the write in flight (if any) is on disk; return its path or raise."""
+        t = self._thread
+        if t is None:
+            return None
+        t.join(self.timeout_s)
+        if t.is_alive():
+            raise UserError(f"a checkpoint write under {ckpt_root(self.run_dir)} did not finish "
+                            f"in {self.timeout_s:.0f} s; check the disk, then resume from the "
+                            "last complete checkpoint.")
+        self._thread = None
+        path, err = self._result
+        self._result = (None, None)
+        if err is not None:
+            raise err
+        return path
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -169,6 +169,11 @@ class CheckpointConfig:
                           unit="steps", min=0)
     keep_last: int = _f(3, "checkpoints kept (older ones deleted)", min=1)
     resume: bool = _f(False, "resume from run_dir/checkpoints/latest if it exists")
+    async_write: bool = _f(True, "write periodic checkpoints on a background thread from a host "
+                           "snapshot (training goes on; one write in flight; the last one and "
+                           "those on a signal are written before exit)")
+    write_timeout_s: float = _f(3600.0, "longest a checkpoint write may take before the run "
+                                "stops with an error", unit="s", min=1.0)
 
 
 @dataclass(kw_only=True, slots=True)

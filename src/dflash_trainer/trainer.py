@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.checkpoint import (TrainState, latest_checkpoint, load_checkpoint,
-                                       save_checkpoint)
+from dflash_trainer.checkpoint import (AsyncCheckpointWriter, TrainState, latest_checkpoint,
+                                       load_checkpoint, snapshot_checkpoint)
 from dflash_trainer.config import Config, to_dict
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
-from dflash_trainer.models.export import export_drafter
+from dflash_trainer.models.export import export_drafter, export_weights
 from dflash_trainer.observe.balance import assess as assess_balance
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.scalars import ScalarRing
@@ -231,24 +231,30 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                                grad_accum=cfg.optim.grad_accum, autocast_bf16=autocast,
                                ring=ring if observe else None)
 
-    def export_fn(out_dir):
-        export_drafter(drafter, out_dir)
+    def export_fn(out_dir, weights):
+        export_weights(drafter.config, weights, out_dir)
 
-    last_ckpt: list[Path] = []
     ledger_path = run_dir / "ledger.jsonl"
 
-    def write_ledger(trainer: Trainer, gathered=None) -> None:
-        entries, trainer.ledger = trainer.ledger, []
-        if gathered is not None:            # torchrun: every rank's entries, gathered to rank 0
-            entries = gathered
-        if entries and rank == 0:
+    def checkpoint_written(path: Path, snap) -> None:
+        """After the checkpoint is on disk (writer thread when async): the ledger entries it
+        covers, then the event. The ledger never runs ahead of a complete checkpoint."""
+        if snap.ledger:
             with open(ledger_path, "a", encoding="utf-8") as f:
-                for epoch, ids in entries:
+                for epoch, ids in snap.ledger:
                     f.write(json.dumps({"epoch": epoch, "samples": ids}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+        if mon is not None:
+            mon.log_event({"event/checkpoint_step": snap.step}, snap.step)
 
-    def checkpoint_now(trainer: Trainer) -> Path | None:
+    writer = AsyncCheckpointWriter(run_dir, keep_last=cfg.checkpoint.keep_last,
+                                   export_fn=export_fn, on_done=checkpoint_written,
+                                   timeout_s=cfg.checkpoint.write_timeout_s)
+
+    def checkpoint_now(trainer: Trainer, background: bool = False) -> Path | None:
+        """Snapshot the state at this step boundary and write it: in the background when asked
+        and enabled (periodic checkpoints), else before returning (the last one, signals)."""
         extra_meta, extra_blob, gathered = {}, None, None
         if dist is not None:
             # Every rank calls this after the same step (DDP + the stop vote keep them in
@@ -266,22 +272,23 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
             return None
         if epoch_skip is not None and trainer.state.epoch == rank_state.epoch:
             extra_meta["epoch_skip"] = {"epoch": rank_state.epoch, "samples": epoch_skip}
-        path = save_checkpoint(run_dir, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-                               generator=generator, state=trainer.state, config=config_dict,
-                               keep_last=cfg.checkpoint.keep_last, export_fn=export_fn,
-                               extra_meta=extra_meta, extra_blob=extra_blob)
-        write_ledger(trainer, gathered)   # after the checkpoint: never runs ahead of it
-        last_ckpt.append(path)
-        if mon is not None:
-            mon.log_event({"event/checkpoint_step": trainer.state.step}, trainer.state.step)
-        return path
+        ledger, trainer.ledger = trainer.ledger, []
+        if gathered is not None:            # torchrun: every rank's entries, gathered to rank 0
+            ledger = gathered
+        snap = snapshot_checkpoint(drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                                   generator=generator, state=trainer.state, config=config_dict,
+                                   extra_meta=extra_meta, extra_blob=extra_blob, ledger=ledger)
+        writer.submit(snap)
+        if background and cfg.checkpoint.async_write:
+            return None
+        return writer.wait()
 
     target_lock = threading.Lock()      # the target worker and the periodic eval share the target
     evaluator = PeriodicEval(cfg, target, drafter, heldout, run_dir, target_lock)
 
     def on_step_end(step: int) -> None:
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-            checkpoint_now(trainer)
+            checkpoint_now(trainer, background=True)
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and rank == 0:
             rec = evaluator.run(step)
             if rec and mon is not None:
@@ -421,6 +428,10 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     finally:
         if bar is not None:
             bar.close()
+        try:    # a background write still in flight after a failure: let it land
+            writer.wait()
+        except BaseException as e:
+            log.error("background checkpoint write failed: %s", e)
         mon.tick()
         history = list(recorder.history)
         final_metrics = dict(mon.latest())

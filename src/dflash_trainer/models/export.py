@@ -76,11 +76,17 @@ def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
 def export_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike,
                    dtype: torch.dtype | None = None) -> Path:
     """Write config.json + model.safetensors into out_dir (replacing it atomically)."""
+    return export_weights(drafter.config, drafter.state_dict(), out_dir, dtype)
+
+
+def export_weights(config, sd: dict, out_dir: str | os.PathLike,
+                   dtype: torch.dtype | None = None) -> Path:
+    """export_drafter from a config and a state dict (e.g. a checkpoint snapshot's host copy,
+    written while the live drafter trains on)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    sd = drafter.state_dict()
-    names = expected_names(drafter.config.num_layers)
+    names = expected_names(config.num_layers)
     assert sorted(sd) == sorted(names), f"unexpected drafter params: {sorted(set(sd) ^ set(names))}"
     dtype = dtype or next(iter(sd.values())).dtype
     if dtype not in _DTYPE_NAMES:
@@ -91,7 +97,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(hf_config(drafter.config, dtype), indent=2)
+        (tmp / CONFIG_NAME).write_text(json.dumps(hf_config(config, dtype), indent=2)
                                        + "\n", encoding="utf-8")
         old = None
         if out.exists():  # a directory cannot be os.replace'd over a non-empty one: swap
