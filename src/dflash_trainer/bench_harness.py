@@ -84,12 +84,20 @@ def rows_flops(s):
             for k, v in s["stages"].items()]
 
 
+def rows_checkpoint(s):
+    return [_row("training stall per checkpoint", "synchronous write", "background write",
+                 s["stall_ratio_sync_over_async"],
+                 note=f"{s['bytes_gb']:.2f} GB: {s['sync_stall_s']:.2f} s vs "
+                      f"{s['async_stall_s']:.2f} s blocked")]
+
+
 ADAPTERS = {
     "bench_batching.py": (rows_batching, []),
     "bench_attention.py": (rows_attention, ["--quick"]),
     "bench_taps.py": (rows_taps, ["--quick"]),
     "bench_flops.py": (rows_flops, []),
     "bench_pipeline.py": (rows_pipeline, []),
+    "bench_checkpoint.py": (rows_checkpoint, ["--params-m", "25"]),
 }
 
 
