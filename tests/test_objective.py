@@ -302,3 +302,7 @@ def test_auto_chunk_is_sized_by_vocab_and_rows():
     assert O._auto_chunk_blocks(head, 1, 15) == (1 << 25) // (15 * 49152) == 45
     assert O._auto_chunk_blocks(head, 8, 15) == 5
     assert O._auto_chunk_blocks(torch.nn.Linear(8, 1 << 22, bias=False), 8, 15) == 1
+    # CUDA: a 2 GiB budget, so each chunk re-reads the head for thousands of rows. Qwen3-8B's
+    # 151,936 vocabulary, 8 rows: 29 blocks = 3,480 rows per chunk (CPU budget: 1 block).
+    assert O.chunk_blocks_for(151936, "cuda", 8, 15) == 29
+    assert O.chunk_blocks_for(151936, "cpu", 8, 15) == 1

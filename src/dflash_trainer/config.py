@@ -112,8 +112,8 @@ class DrafterConfig:
     attention: str = _f("auto", "attention implementation: auto = flex on CUDA, split on CPU",
                         choices=("auto", "split", "dense", "flex"))
     loss_chunk_blocks: int = _f(0, "blocks per LM-head chunk (logits never exist all at once); "
-                                "0 = auto: about 128 MiB of fp32 logits per chunk, whatever the "
-                                "vocabulary and batch", unit="blocks", min=0)
+                                "0 = auto: about 128 MiB (CPU) or 2 GiB (CUDA) of fp32 logits per "
+                                "chunk, whatever the vocabulary and batch", unit="blocks", min=0)
     init_std: float = _f(0.02, "std of the random init of linear weights", min=0.0)
 
 

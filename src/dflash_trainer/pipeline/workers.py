@@ -47,7 +47,7 @@ def oom_context(stage: str, shape) -> "contextlib.AbstractContextManager":
         hint = ("batching.max_tokens (token budget per batch) or data.max_length"
                 if stage == "target" else
                 "batching.max_tokens or drafter.num_anchors, or set drafter.loss_chunk_blocks to a "
-                "few blocks (0 = auto, ~128 MiB of logits)")
+                "few blocks (0 = auto: 128 MiB of logits on CPU, 2 GiB on CUDA)")
         raise BatchOutOfMemory(
             f"out of memory in the {stage} step on a batch of {rows} x {seq} tokens; lower "
             f"{hint}, or give the stage more memory. ({type(e).__name__}: "

@@ -178,17 +178,27 @@ class DFlashObjective:
                           n_blocks.view(1), n_lab.view(1)])
 
 
-# Auto LM-head chunk: about this many fp32 logits (128 MiB) per chunk. Measured on CPU (SmolLM2's
-# 49,152 vocabulary): chunks of 16-32 blocks run as fast per token as 128-block chunks (the matmul
-# is still large; the elementwise passes stay closer to cache) at a quarter of the memory.
-_LOSS_CHUNK_ELEMS = 1 << 25
+# Auto LM-head chunk: about this many fp32 logits per chunk.
+# CPU, 128 MiB: measured with SmolLM2's 49,152 vocabulary, chunks of 16-32 blocks run as fast per
+#   token as 128-block chunks (the elementwise passes stay closer to cache) at a quarter of the
+#   memory.
+# CUDA, 2 GiB: every chunk re-reads the whole LM head (Qwen3-8B: 1.2 GB in bf16), so a chunk
+#   needs a few thousand rows to stay compute-bound (H200: ~200 FLOP per byte); 2 GiB of fp32
+#   logits is ~3,500 rows at a 152k vocabulary.
+_LOSS_CHUNK_ELEMS = {"cpu": 1 << 25, "cuda": 1 << 29}
 
 
 def _auto_chunk_blocks(lm_head, rows: int, slots: int) -> int:
-    """Blocks per chunk so that rows * blocks * slots * vocab <= _LOSS_CHUNK_ELEMS."""
     weight = getattr(lm_head, "weight", None)
-    vocab = weight.shape[0] if isinstance(weight, torch.Tensor) else 1 << 16
-    return max(1, _LOSS_CHUNK_ELEMS // (rows * slots * vocab))
+    if not isinstance(weight, torch.Tensor):       # an opaque head module: assume 64k, CPU
+        return chunk_blocks_for(1 << 16, "cpu", rows, slots)
+    return chunk_blocks_for(weight.shape[0], weight.device.type, rows, slots)
+
+
+def chunk_blocks_for(vocab: int, device_type: str, rows: int, slots: int) -> int:
+    """Blocks per chunk so that rows * blocks * slots * vocab <= the device's logits budget."""
+    budget = _LOSS_CHUNK_ELEMS.get(device_type, _LOSS_CHUNK_ELEMS["cpu"])
+    return max(1, budget // (rows * slots * vocab))
 
 
 def _chunk_ce(h, lm_head, labels, wm, need_grad=False):
