@@ -113,11 +113,19 @@ def test_resolve_impl():
 @pytest.mark.skipif(not A.flex_available(), reason="FlexAttention not importable")
 def test_flex_mask_mod_matches_dense_eager_cpu():
     """Eager (uncompiled) flex runs forward on CPU: checks the mask_mod against the reference."""
+    import torch.nn.attention.flex_attention as FA
     q, k, v, anchors, valid = _inputs(hq=2, hkv=2)
     ref = A.dense_attention(q, k, v, anchors, valid, BS)
-    with pytest.warns(UserWarning):
-        out = A.flex_block_attention(q, k, v, anchors, valid, BS, compile=False)
+    built, real = [], FA.create_block_mask
+    cache: dict = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FA, "create_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+        with pytest.warns(UserWarning):
+            for _ in range(2):                    # two layers of one forward share the BlockMask
+                out = A.flex_block_attention(q, k, v, anchors, valid, BS, compile=False,
+                                             mask_cache=cache)
     torch.testing.assert_close(out, ref)
+    assert len(built) == 1
 
 
 @pytest.mark.skipif(not A.flex_available() or shutil.which("g++") is None,

@@ -169,3 +169,21 @@ def test_mask_token_rules():
     from dflash_trainer.errors import UserError
     with pytest.raises(UserError, match="mask_token_id"):
         resolve_mask_token_id(128, t)
+
+
+def test_mask_built_once_per_forward_not_per_layer(monkeypatch):
+    """The dense mask (and, on CUDA, the flex BlockMask, through the same cache) is shared by
+    all layers of one forward."""
+    from dflash_trainer.models import attention as A
+    calls = []
+    real = A.dense_mask
+    monkeypatch.setattr(A, "dense_mask", lambda *a: calls.append(1) or real(*a))
+    cfg = DFlashConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                       intermediate_size=48, block_size=4, target_layer_ids=[0, 1],
+                       num_target_layers=4, mask_token_id=0, vocab_size=50, attention="dense")
+    d = DFlashDrafter(cfg)
+    anchors = torch.tensor([[1, 5, 9]])
+    d(torch.randn(1, 12, 32), torch.randn(1, 14, 64), anchors, torch.ones(1, 3, dtype=torch.bool))
+    assert len(calls) == 1
+    d(torch.randn(1, 12, 32), torch.randn(1, 14, 64), anchors, torch.ones(1, 3, dtype=torch.bool))
+    assert len(calls) == 2                 # a new forward builds its own

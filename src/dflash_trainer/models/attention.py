@@ -52,14 +52,18 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors: torch.Tensor,
                     block_valid: torch.Tensor, block_size: int, impl: str = "split",
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, mask_cache: dict | None = None) -> torch.Tensor:
     """Attention of block queries over [context ; blocks] under the DFlash training mask.
 
-    Returns [B, hq, Q, d] in q's dtype. Padding blocks give zeros.
+    Returns [B, hq, Q, d] in q's dtype. Padding blocks give zeros. `mask_cache`: a dict shared by
+    the layers of one forward, so the mask (dense) or BlockMask (flex) is built once per forward,
+    not once per layer; the split form needs none.
     """
     impl = resolve_impl(impl, q.device)
-    fn = {"dense": dense_attention, "split": split_attention, "flex": flex_block_attention}[impl]
-    return fn(q, k, v, anchors, block_valid, block_size, scale)
+    if impl == "split":
+        return split_attention(q, k, v, anchors, block_valid, block_size, scale)
+    fn = dense_attention if impl == "dense" else flex_block_attention
+    return fn(q, k, v, anchors, block_valid, block_size, scale, mask_cache=mask_cache)
 
 
 def _check(q, k, anchors, block_size):
@@ -95,13 +99,22 @@ def dense_mask(anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int
     return (ctx_ok | blk_ok) & block_valid[:, q_block][:, :, None]
 
 
-def dense_attention(q, k, v, anchors, block_valid, block_size, scale=None):
+def _cached(mask_cache: dict | None, key: str, build):
+    if mask_cache is None:
+        return build()
+    if key not in mask_cache:
+        mask_cache[key] = build()
+    return mask_cache[key]
+
+
+def dense_attention(q, k, v, anchors, block_valid, block_size, scale=None, mask_cache=None):
     """Reference: explicit [Q, S+Q] scores and boolean mask. Memory O(Q*(S+Q)); for tests/bench."""
     B, hq, N, S, d = _check(q, k, anchors, block_size)
     groups = hq // k.shape[1]
     scale = d ** -0.5 if scale is None else scale
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    mask = dense_mask(anchors, block_valid, block_size, S)[:, None]              # [B,1,Q,S+Q]
+    mask = _cached(mask_cache, "dense",                                           # [B,1,Q,S+Q]
+                   lambda: dense_mask(anchors, block_valid, block_size, S)[:, None])
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     # Fully masked rows (padding blocks) would give softmax(-inf...) = NaN. Replace their -inf row
@@ -299,7 +312,8 @@ def flex_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, block_size: 
     return mask_mod
 
 
-def flex_block_attention(q, k, v, anchors, block_valid, block_size, scale=None, compile=True):
+def flex_block_attention(q, k, v, anchors, block_valid, block_size, scale=None, compile=True,
+                         mask_cache=None):
     """FlexAttention with a BlockMask built for H=None (broadcast over heads; §5.8).
 
     ``compile=False`` runs eager flex (slow, any device): used by CPU tests to check the mask_mod.
@@ -310,8 +324,9 @@ def flex_block_attention(q, k, v, anchors, block_valid, block_size, scale=None, 
 
     B, hq, N, S, d = _check(q, k, anchors, block_size)
     Q, KV = q.shape[2], k.shape[2]
-    mask_mod = flex_mask_mod(anchors, block_valid, block_size, S)
-    bm = create_block_mask(mask_mod, B, None, Q, KV, device=q.device, _compile=compile)
+    bm = _cached(mask_cache, "flex", lambda: create_block_mask(
+        flex_mask_mod(anchors, block_valid, block_size, S), B, None, Q, KV, device=q.device,
+        _compile=compile))
     fn = _compiled_flex() if compile else flex_attention
     enable_gqa = hq != k.shape[1]
     # Under autocast q/k leave the fp32-weighted RMSNorms as fp32 while v is bf16: flex needs one

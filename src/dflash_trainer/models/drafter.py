@@ -290,6 +290,7 @@ class DFlashDrafter(nn.Module):
         ctx_pos = torch.arange(S, device=x.device).expand(B, S)
         rope_q = self._rope(blk_pos, dt)
         rope_c = self._rope(ctx_pos, dt)
+        masks: dict = {}            # one mask / BlockMask for all layers of this forward
         for layer in self.layers:
             a = layer.self_attn
             k_ctx, v_ctx = a.project_kv(ctx, *rope_c)
@@ -297,7 +298,7 @@ class DFlashDrafter(nn.Module):
             def attend(q, k_blk, v_blk, k_ctx=k_ctx, v_ctx=v_ctx):
                 k = torch.cat([k_ctx.to(k_blk.dtype), k_blk], dim=2)
                 v = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
-                return block_attention(q, k, v, anchors, block_valid, bs, impl)
+                return block_attention(q, k, v, anchors, block_valid, bs, impl, mask_cache=masks)
 
             x = layer(x, rope_q, attend)
         return self.norm(x)
