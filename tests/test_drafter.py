@@ -187,3 +187,21 @@ def test_mask_built_once_per_forward_not_per_layer(monkeypatch):
     assert len(calls) == 1
     d(torch.randn(1, 12, 32), torch.randn(1, 14, 64), anchors, torch.ones(1, 3, dtype=torch.bool))
     assert len(calls) == 2                 # a new forward builds its own
+
+
+def test_cache_growth_equals_concatenation():
+    from dflash_trainer.models.drafter import DrafterCache
+    g = torch.Generator().manual_seed(0)
+    cache, ks, vs = DrafterCache(2), [], []
+    for n in (3, 1, 300, 7, 1):             # crosses the first capacity (256) and one doubling
+        k, v = torch.randn(2, 3, n, 8, generator=g), torch.randn(2, 3, n, 8, generator=g)
+        for layer in range(2):
+            kk, vv = cache.append(layer, k + layer, v - layer)
+            torch.testing.assert_close(kk, torch.cat(ks + [k], 2) + layer, rtol=0, atol=0)
+            torch.testing.assert_close(vv, torch.cat(vs + [v], 2) - layer, rtol=0, atol=0)
+        ks.append(k)
+        vs.append(v)
+    assert cache.length == 312 and cache.keys[1].shape[2] == 312
+    cache.crop(10)
+    assert cache.length == 10
+    torch.testing.assert_close(cache.values[0], torch.cat(vs, 2)[:, :, :10], rtol=0, atol=0)

@@ -214,29 +214,48 @@ class DecoderLayer(nn.Module):
 # ------------------------------------------------------------------------------------------------
 
 class DrafterCache:
-    """Per-layer context K (after k_norm + RoPE) and V, [B, hkv, length, d]. Context only."""
+    """Per-layer context K (after k_norm + RoPE) and V, [B, hkv, length, d]. Context only.
+
+    Backed by buffers that grow by doubling, so appending a few positions per decoding cycle
+    copies only the new positions (amortised), not the whole cache as `torch.cat` would.
+    """
 
     def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._k: list[torch.Tensor | None] = [None] * num_layers
+        self._v: list[torch.Tensor | None] = [None] * num_layers
+        self._len = [0] * num_layers
 
     @property
     def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        return self._len[0]
+
+    @property
+    def keys(self) -> list[torch.Tensor | None]:
+        return [None if k is None else k[:, :, :n] for k, n in zip(self._k, self._len)]
+
+    @property
+    def values(self) -> list[torch.Tensor | None]:
+        return [None if v is None else v[:, :, :n] for v, n in zip(self._v, self._len)]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-        return self.keys[layer], self.values[layer]
+        cur, add = self._len[layer], k.shape[2]
+        buf = self._k[layer]
+        if buf is None or cur + add > buf.shape[2]:
+            cap = max(256, 2 * (buf.shape[2] if buf is not None else 0), cur + add)
+            nk = k.new_empty(*k.shape[:2], cap, k.shape[3])
+            nv = v.new_empty(*v.shape[:2], cap, v.shape[3])
+            if cur:
+                nk[:, :, :cur] = self._k[layer][:, :, :cur]
+                nv[:, :, :cur] = self._v[layer][:, :, :cur]
+            self._k[layer], self._v[layer] = nk, nv
+        self._k[layer][:, :, cur:cur + add] = k
+        self._v[layer][:, :, cur:cur + add] = v
+        self._len[layer] = cur + add
+        return self._k[layer][:, :, :cur + add], self._v[layer][:, :, :cur + add]
 
     def crop(self, n: int) -> None:
         """Keep the first n context entries (e.g. after a rejected draft)."""
-        for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i], self.values[i] = k[:, :, :n], self.values[i][:, :, :n]
+        self._len = [min(m, n) for m in self._len]
 
 
 # ------------------------------------------------------------------------------------------------
