@@ -51,7 +51,7 @@ class StageBalance:
                    "bound (see queue/work/* in metrics.jsonl)")
         else:
             tip = "both stages are busy: the split fits this workload"
-        return f"{head}. {tip}."
+        return f"{head}. {tip[0].upper()}{tip[1:]}."
 
 
 def busy_seconds(w) -> float:
