@@ -561,7 +561,9 @@ def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
     assert "heldout" in capsys.readouterr().out
     # a drafter for other taps is refused with a fix
     from dflash_trainer.errors import UserError
-    tm.layer_ids = [1, 3]
+    tm.close()                              # the same model, loaded with other taps
+    other = target_mod.TargetModel.from_hf(model, FakeTokenizer(), [1, 3])
+    monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d: other))
     with pytest.raises(UserError, match="target layers"):
         sd.eval_command(cfg, args)
 

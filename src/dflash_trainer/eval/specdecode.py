@@ -561,6 +561,8 @@ def eval_command(cfg: Any, args: Any) -> int:
                         "--drafter DIR.")
     output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
     target = TargetModel.load(cfg.target, device)
+    if cfg.target.check_taps:     # wrong features would show only as a low tau
+        target.check_taps()
     drafter = load_drafter(drafter_dir, device)
     dc = drafter.config
     if list(dc.target_layer_ids) != list(target.layer_ids) or dc.hidden_size != target.hidden_size:
