@@ -168,8 +168,9 @@ class AsyncCheckpointWriter:
     """Writes snapshots on a background thread, one at a time, so the drafter trains on while
     files are written and fsynced (for a 1B-parameter drafter with AdamW that is ~12 GB).
 
-    At most one write is in flight: `submit` first waits for the previous one, which bounds the
-    host memory to one snapshot and keeps checkpoints and their ledger entries in step order.
+    At most one write is in flight: `submit` first waits for the previous one, which keeps
+    checkpoints and their ledger entries in step order (call `wait` before taking the next
+    snapshot, as the trainer does, to hold one snapshot in host memory at a time).
     A failed write is raised (once) by the next `submit` or by `wait`, in the training thread.
     Atomicity is unchanged: a write that dies half-way leaves only a `.tmp-` directory.
     """

@@ -275,6 +275,7 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         ledger, trainer.ledger = trainer.ledger, []
         if gathered is not None:            # torchrun: every rank's entries, gathered to rank 0
             ledger = gathered
+        writer.wait()       # the previous write lands first: one snapshot in host memory
         snap = snapshot_checkpoint(drafter=drafter, optimizer=optimizer, scheduler=scheduler,
                                    generator=generator, state=trainer.state, config=config_dict,
                                    extra_meta=extra_meta, extra_blob=extra_blob, ledger=ledger)
