@@ -259,6 +259,10 @@ def test_resume_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, two_rank):
     # epoch 0: 8k samples done by the two ranks (k steps x 2 ranks x 2 micro-batches x 2 rows),
     # the other 24 - 8k in (24 - 8k) / 4 steps; epoch 1: 12 batches on one rank = 6 steps
     assert res.steps == k + (N - 8 * k) // 4 + 6
+    # the LR schedule of the 2-rank run (STEPS) continues over the new total from step k
+    final = json.loads((one / "run" / "checkpoints" / f"step-{res.steps:07d}" / "state.json")
+                       .read_text())
+    assert final["lr_segments"] == [[STEPS, 0], [res.steps, k]]
     # on 2 ranks again
     two = tmp_path / "two"
     shutil.copytree(part, two)

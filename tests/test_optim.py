@@ -66,3 +66,27 @@ def test_schedule_warmup_then_cosine_to_min():
     assert math.isclose(f(10), 1.0)
     assert f(55) < f(30) < 1.0
     assert math.isclose(f(100), 0.1)
+
+
+def test_segmented_schedule_is_continuous_across_a_changed_total():
+    from dflash_trainer.train.optim import segmented_lr_lambda
+    cfg = OptimConfig(warmup_ratio=0.1, min_lr_ratio=0.1)
+    plain, one = lr_lambda(cfg, 100), segmented_lr_lambda(cfg, [[100, 0]])
+    assert all(plain(s) == one(s) for s in range(101))
+    # resumed at step 40 of 100 with 160 steps in all now (e.g. half the ranks): the curve
+    # follows the old one to step 40, then stretches the rest over 120 steps to the same end.
+    f = segmented_lr_lambda(cfg, [[100, 0], [160, 40]])
+    assert all(f(s) == plain(s) for s in range(41))
+    assert abs(f(41) - f(40)) < 0.01                     # no jump at the resume step
+    assert math.isclose(f(100), plain(70))               # halfway through what was left
+    assert math.isclose(f(160), 0.1)                     # ends where the schedule ends
+    assert all(f(s + 1) <= f(s) for s in range(10, 160))
+    # the naive rebuild (what a resume used to do) jumps up at the resume step
+    assert lr_lambda(cfg, 160)(41) - plain(40) > 0.05
+    # resumed inside the warm-up: the warm-up goes on, it does not restart
+    w = segmented_lr_lambda(cfg, [[100, 0], [50, 5]])
+    assert w(5) == plain(5) and plain(5) < w(6) <= 1.0 and math.isclose(w(50), 0.1)
+    # a second resume composes with the first
+    g = segmented_lr_lambda(cfg, [[100, 0], [160, 40], [130, 100]])
+    assert all(g(s) == f(s) for s in range(101))
+    assert math.isclose(g(115), f(130)) and math.isclose(g(130), 0.1)

@@ -193,7 +193,21 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         total_steps = rank_state.step + max(0, left) // cfg.optim.grad_accum
         if cfg.optim.max_steps:
             total_steps = min(total_steps, cfg.optim.max_steps)
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    lr_segments = [[total_steps, 0]]
+    if resume_ck is not None:
+        # A checkpoint of a run with another total (world size, epochs): keep the LR curve
+        # continuous at the resume step instead of jumping to the new schedule's value there.
+        meta = json.loads((resume_ck / "state.json").read_text())
+        saved = meta.get("lr_segments") or ([[meta["total_steps"], 0]]
+                                            if meta.get("total_steps") else None)
+        if saved:
+            lr_segments = [list(x) for x in saved]
+            if int(lr_segments[-1][0]) != total_steps:
+                lr_segments.append([total_steps, rank_state.step])
+                log.info("resuming at step %d of a %d-step schedule with %d steps in all now: "
+                         "the rest of the LR schedule is spread over the new remaining steps",
+                         rank_state.step, int(saved[-1][0]), total_steps)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments)
     guard = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, drafter_device)
     generator = torch.Generator(device=drafter_device)
     generator.manual_seed(cfg.pipeline.seed * 1000003 + rank)
@@ -270,6 +284,8 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
             extra_blob = {"rank_generators": [q["generator"] for q in parts]}
         if rank != 0:
             return None
+        extra_meta["total_steps"] = total_steps     # the LR schedule (see lr_segments above)
+        extra_meta["lr_segments"] = lr_segments
         if epoch_skip is not None and trainer.state.epoch == rank_state.epoch:
             extra_meta["epoch_skip"] = {"epoch": rank_state.epoch, "samples": epoch_skip}
         ledger, trainer.ledger = trainer.ledger, []

@@ -35,8 +35,32 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
     return fn
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+def segmented_lr_lambda(cfg: OptimConfig, segments: list):
+    """The schedule of a run resumed with a different number of steps left (another world size
+    re-plans the rest of the data, or more epochs were asked for).
+
+    segments = [[total_0, 0], [total_1, resume_1], ...]: the run started with a total_0-step
+    schedule; at step resume_k the total became total_k. Up to each resume step the previous
+    schedule holds; after it the rest of that schedule's progress is spread over the new
+    remaining steps. The LR neither jumps nor restarts its warm-up at a resume point and still
+    reaches its end at the last step. One segment = the plain schedule."""
+    fn = lr_lambda(cfg, int(segments[0][0]))
+    for (prev_total, _), (total, resume) in zip(segments, segments[1:]):
+        prev_total, total, resume = int(prev_total), int(total), int(resume)
+
+        def fn(step, prev=fn, prev_total=prev_total, total=total, resume=resume):
+            if step <= resume:
+                return prev(step)
+            frac = (step - resume) / max(1, total - resume)               # of what is left
+            return prev(resume + frac * (prev_total - resume))
+    return fn
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
+                    segments: list | None = None):
+    """`segments`: see segmented_lr_lambda (None = a fresh total_steps schedule)."""
+    fn = segmented_lr_lambda(cfg, segments) if segments else lr_lambda(cfg, total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(opt, fn)
 
 
 class GuardedStep:
