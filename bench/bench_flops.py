@@ -26,7 +26,7 @@ def matmul_peak(dtype, n=2048, reps=8) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
 def timed(fn, reps):
@@ -47,20 +47,26 @@ def main():
     cfg = load_config("smollm2-cpu")
     target = TargetModel.load(cfg.target, "cpu")
     drafter = build_drafter(cfg, target, "cpu")
-    fm = FlopsModel.from_configs(target.model.config, max(target.layer_ids) + 1, drafter.config,
-                                 seq_len=a.seq)
+    fm = FlopsModel.from_configs(
+        target.model.config, max(target.layer_ids) + 1, drafter.config, seq_len=a.seq
+    )
     B, S = a.batch, a.seq
     ids = torch.randint(3, target.vocab_size, (B, S))
     mask = torch.zeros(B, S, dtype=torch.bool)
-    mask[:, S // 4:] = True
+    mask[:, S // 4 :] = True
     peaks = {d: matmul_peak(d) for d in (torch.float32, torch.bfloat16)}
 
     t_target = timed(lambda: target.features(ids), 2)
     target_tflops = B * S * fm.target_flops_per_token(S) / t_target / 1e12
 
     feats = target.features(ids)
-    obj = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors, 0.0,
-                          drafter.config.mask_token_id, cfg.drafter.loss_chunk_blocks)
+    obj = DFlashObjective(
+        cfg.drafter.block_size,
+        cfg.drafter.num_anchors,
+        0.0,
+        drafter.config.mask_token_id,
+        cfg.drafter.loss_chunk_blocks,
+    )
     gen = torch.Generator().manual_seed(0)
 
     bf16 = cfg.pipeline.precision == "bf16"
@@ -77,18 +83,26 @@ def main():
     drafter_tflops = d_flops / t_drafter / 1e12
     t_dtype = target.dtype
     stages = {
-        "target forward": {"dtype": str(t_dtype).replace("torch.", ""),
-                           "achieved_tflops": target_tflops, "peak_tflops": peaks[t_dtype]},
-        "drafter step": {"dtype": "bfloat16" if bf16 else "float32",
-                         "achieved_tflops": drafter_tflops,
-                         "peak_tflops": peaks[torch.bfloat16 if bf16 else torch.float32]},
+        "target forward": {
+            "dtype": str(t_dtype).replace("torch.", ""),
+            "achieved_tflops": target_tflops,
+            "peak_tflops": peaks[t_dtype],
+        },
+        "drafter step": {
+            "dtype": "bfloat16" if bf16 else "float32",
+            "achieved_tflops": drafter_tflops,
+            "peak_tflops": peaks[torch.bfloat16 if bf16 else torch.float32],
+        },
     }
     for k, v in stages.items():
-        print(f"{k:15s} {v['achieved_tflops'] * 1e3:8.1f} GFLOP/s of {v['peak_tflops'] * 1e3:.1f}"
-              f" ({v['dtype']} matmul peak, {a.threads} threads): "
-              f"{v['achieved_tflops'] / v['peak_tflops']:.2f}")
-    print(json.dumps({"bench": "flops", "threads": a.threads, "batch": B, "seq": S,
-                      "stages": stages}))
+        print(
+            f"{k:15s} {v['achieved_tflops'] * 1e3:8.1f} GFLOP/s of {v['peak_tflops'] * 1e3:.1f}"
+            f" ({v['dtype']} matmul peak, {a.threads} threads): "
+            f"{v['achieved_tflops'] / v['peak_tflops']:.2f}"
+        )
+    print(
+        json.dumps({"bench": "flops", "threads": a.threads, "batch": B, "seq": S, "stages": stages})
+    )
 
 
 if __name__ == "__main__":

@@ -33,9 +33,9 @@ from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
 from dflash_trainer.data.prefetcher import build_batch
 from dflash_trainer.models.target import TargetModel
-from dflash_trainer.trainer import build_drafter, thread_split, train
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
+from dflash_trainer.trainer import build_drafter, thread_split, train
 
 
 def synthetic_dataset(n: int, vocab: int, seed: int = 0) -> TokenizedDataset:
@@ -52,10 +52,21 @@ def synthetic_dataset(n: int, vocab: int, seed: int = 0) -> TokenizedDataset:
 
 
 def make_cfg(run_dir: str, steps: int, schedule: str, extra=()):
-    return load_config("smollm2-cpu", None, [
-        f"--run_dir={run_dir}", f"--optim.max_steps={steps}", "--optim.epochs=50",
-        f"--pipeline.schedule={schedule}", "--metrics.wandb=off", "--metrics.console=false",
-        "--metrics.tensorboard=false", "--checkpoint.keep_last=1", *extra])
+    return load_config(
+        "smollm2-cpu",
+        None,
+        [
+            f"--run_dir={run_dir}",
+            f"--optim.max_steps={steps}",
+            "--optim.epochs=50",
+            f"--pipeline.schedule={schedule}",
+            "--metrics.wandb=off",
+            "--metrics.console=false",
+            "--metrics.tensorboard=false",
+            "--checkpoint.keep_last=1",
+            *extra,
+        ],
+    )
 
 
 def _autocast(cfg):
@@ -76,8 +87,13 @@ def run_colocated(target, ds, steps) -> float:
         cfg = make_cfg(d, steps, "sequential")
         torch.set_num_threads(cfg.pipeline.cpu_threads or os.cpu_count())
         drafter = build_drafter(cfg, target, "cpu")
-        obj = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors, 0.0,
-                              drafter.config.mask_token_id, cfg.drafter.loss_chunk_blocks)
+        obj = DFlashObjective(
+            cfg.drafter.block_size,
+            cfg.drafter.num_anchors,
+            0.0,
+            drafter.config.mask_token_id,
+            cfg.drafter.loss_chunk_blocks,
+        )
         opt = build_optimizer(drafter.parameters(), cfg.optim)
         sched = build_scheduler(opt, cfg.optim, steps)
         gen = torch.Generator().manual_seed(0)
@@ -86,12 +102,22 @@ def run_colocated(target, ds, steps) -> float:
         for i in range(steps):
             b = build_batch(ds, plan[i % len(plan)], cfg.batching.pad_multiple, 0)
             with torch.no_grad():
-                out = target.model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                                   output_hidden_states=True)
+                out = target.model(
+                    input_ids=b.input_ids,
+                    attention_mask=b.attention_mask,
+                    output_hidden_states=True,
+                )
                 feats = torch.cat([out.hidden_states[j + 1] for j in target.layer_ids], -1)
             with _autocast(cfg):
-                res = obj(drafter, target.embed_weight, target.lm_head, feats, b.input_ids,
-                          b.loss_mask, gen)
+                res = obj(
+                    drafter,
+                    target.embed_weight,
+                    target.lm_head,
+                    feats,
+                    b.input_ids,
+                    b.loss_mask,
+                    gen,
+                )
             res.loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
@@ -109,25 +135,32 @@ def isolated_rates(target, ds, steps) -> tuple[float, float]:
         cfg = make_cfg(d, steps, "pipelined")
     t_thr, d_thr = thread_split(cfg)
     plan = plan_epoch(ds.lengths, cfg.batching, 0)
-    batches = [build_batch(ds, plan[i % len(plan)], cfg.batching.pad_multiple, 0)
-               for i in range(steps)]
+    batches = [
+        build_batch(ds, plan[i % len(plan)], cfg.batching.pad_multiple, 0) for i in range(steps)
+    ]
     torch.set_num_threads(t_thr)
-    target.features(batches[0].input_ids, batches[0].attention_mask)     # warm-up
+    target.features(batches[0].input_ids, batches[0].attention_mask)  # warm-up
     t0 = time.perf_counter()
     feats = [target.features(b.input_ids, b.attention_mask) for b in batches]
     t_rate = sum(b.num_real_tokens for b in batches) / (time.perf_counter() - t0)
     torch.set_num_threads(d_thr)
     drafter = build_drafter(cfg, target, "cpu")
-    obj = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors, 0.0,
-                          drafter.config.mask_token_id, cfg.drafter.loss_chunk_blocks)
+    obj = DFlashObjective(
+        cfg.drafter.block_size,
+        cfg.drafter.num_anchors,
+        0.0,
+        drafter.config.mask_token_id,
+        cfg.drafter.loss_chunk_blocks,
+    )
     opt = build_optimizer(drafter.parameters(), cfg.optim)
     guard = GuardedStep(opt, drafter.parameters(), 1.0, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
 
     def dstep(b, f):
         with _autocast(cfg):
-            res = obj(drafter, target.embed_weight, target.lm_head, f, b.input_ids, b.loss_mask,
-                      gen)
+            res = obj(
+                drafter, target.embed_weight, target.lm_head, f, b.input_ids, b.loss_mask, gen
+            )
         res.loss.backward()
         guard(res.loss)
 
@@ -150,14 +183,21 @@ def overhead_only(steps: int, repeats: int) -> None:
     for r in range(repeats):
         order = (True, False) if r % 2 == 0 else (False, True)
         for observe in order:
-            (on if observe else off).append(run_ours(target, ds, steps, "pipelined",
-                                                     observe=observe))
+            (on if observe else off).append(
+                run_ours(target, ds, steps, "pipelined", observe=observe)
+            )
         print(f"repeat {r}: on {on[-1]:.0f} tok/s, off {off[-1]:.0f} tok/s", file=sys.stderr)
     rs = [a / b for a, b in zip(on, off)]
-    result = {"observability_on_vs_off": {"median": statistics.median(rs), "min": min(rs),
-                                          "max": max(rs)},
-              "steps_per_run": steps, "repeats": repeats,
-              "tokens_per_s": {"on": statistics.median(on), "off": statistics.median(off)}}
+    result = {
+        "observability_on_vs_off": {
+            "median": statistics.median(rs),
+            "min": min(rs),
+            "max": max(rs),
+        },
+        "steps_per_run": steps,
+        "repeats": repeats,
+        "tokens_per_s": {"on": statistics.median(on), "off": statistics.median(off)},
+    }
     print(f"observability on / off: {statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f})")
     print(json.dumps(result))
 
@@ -166,8 +206,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
-    ap.add_argument("--overhead", action="store_true",
-                    help="only observability on vs off, longer runs, more repeats")
+    ap.add_argument(
+        "--overhead",
+        action="store_true",
+        help="only observability on vs off, longer runs, more repeats",
+    )
     args = ap.parse_args()
     steps, repeats = (6, 1) if args.quick else (12, 3)
     if args.overhead:
@@ -177,15 +220,18 @@ def main() -> None:
     ds = synthetic_dataset(400, target.vocab_size)
     # Warm-up (allocator, kernels) outside the measurement.
     run_ours(target, ds, 2, "pipelined")
-    rows: dict[str, list[float]] = {k: [] for k in
-                                    ("pipelined", "sequential", "colocated", "obs_off")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("pipelined", "sequential", "colocated", "obs_off")
+    }
     for r in range(repeats):
         rows["pipelined"].append(run_ours(target, ds, steps, "pipelined"))
         rows["sequential"].append(run_ours(target, ds, steps, "sequential"))
         rows["colocated"].append(run_colocated(target, ds, steps))
         rows["obs_off"].append(run_ours(target, ds, steps, "pipelined", observe=False))
-        print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rows.items()),
-              file=sys.stderr)
+        print(
+            f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rows.items()),
+            file=sys.stderr,
+        )
     t_rate, d_rate = isolated_rates(target, ds, steps)
     bound = min(t_rate, d_rate)
 
@@ -200,16 +246,20 @@ def main() -> None:
         "pipelined_vs_sequential": ratio("pipelined", "sequential"),
         "pipelined_vs_colocated": ratio("pipelined", "colocated"),
         "observability_on_vs_off": ratio("pipelined", "obs_off"),
-        "isolated_target_tok_s": t_rate, "isolated_drafter_tok_s": d_rate,
+        "isolated_target_tok_s": t_rate,
+        "isolated_drafter_tok_s": d_rate,
         "pipelined_vs_stage_bound": med["pipelined"] / bound,
-        "steps_per_run": steps, "repeats": repeats,
+        "steps_per_run": steps,
+        "repeats": repeats,
     }
     print("\n| comparison | ratio (median, min-max) |\n|---|---|")
     for k in ("pipelined_vs_sequential", "pipelined_vs_colocated", "observability_on_vs_off"):
         v = result[k]
         print(f"| {k} | {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f}) |")
-    print(f"| pipelined_vs_stage_bound | {result['pipelined_vs_stage_bound']:.3f} "
-          f"(target alone {t_rate:.0f} tok/s, drafter alone {d_rate:.0f} tok/s) |")
+    print(
+        f"| pipelined_vs_stage_bound | {result['pipelined_vs_stage_bound']:.3f} "
+        f"(target alone {t_rate:.0f} tok/s, drafter alone {d_rate:.0f} tok/s) |"
+    )
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -42,7 +42,7 @@ def _status_mib(field: str) -> float | None:
 def _reset_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")            # resets VmHWM to the current RSS (Linux >= 4.0)
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
         return True
     except OSError:
         return False
@@ -71,7 +71,7 @@ def run_variant(variant: str, a) -> dict:
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, target.vocab_size, (a.batch, a.seq), generator=g).to(dev)
-    forward(x[:1, :16])                                   # warm-up: lazy init, tiny
+    forward(x[:1, :16])  # warm-up: lazy init, tiny
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -87,7 +87,7 @@ def run_variant(variant: str, a) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        checksum = float(feats.float().abs().mean())      # bench only: one sync per step
+        checksum = float(feats.float().abs().mean())  # bench only: one sync per step
         del feats
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
@@ -97,9 +97,15 @@ def run_variant(variant: str, a) -> dict:
     else:
         peak, method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "ru_maxrss"
     step_s = min(times)
-    return {"variant": variant, "step_s": step_s, "tokens_per_s": a.batch * a.seq / step_s,
-            "peak_mib": peak, "peak_fwd_mib": peak - base, "mem_method": method,
-            "checksum": checksum}
+    return {
+        "variant": variant,
+        "step_s": step_s,
+        "tokens_per_s": a.batch * a.seq / step_s,
+        "peak_mib": peak,
+        "peak_fwd_mib": peak - base,
+        "mem_method": method,
+        "checksum": checksum,
+    }
 
 
 def main() -> None:
@@ -111,7 +117,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--variant", help=argparse.SUPPRESS)          # child-process mode
+    ap.add_argument("--variant", help=argparse.SUPPRESS)  # child-process mode
     a = ap.parse_args()
     if a.quick:
         a.steps = 1
@@ -122,20 +128,43 @@ def main() -> None:
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     for v in VARIANTS:
-        cmd = [sys.executable, os.path.abspath(__file__), "--variant", v, "--batch", str(a.batch),
-               "--seq", str(a.seq), "--steps", str(a.steps), "--dtype", a.dtype,
-               "--threads", str(a.threads), "--device", a.device]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--variant",
+            v,
+            "--batch",
+            str(a.batch),
+            "--seq",
+            str(a.seq),
+            "--steps",
+            str(a.steps),
+            "--dtype",
+            a.dtype,
+            "--threads",
+            str(a.threads),
+            "--device",
+            a.device,
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode:
             sys.exit(f"variant {v} failed:\n{p.stderr}")
         r = res[v] = json.loads(p.stdout.strip().splitlines()[-1])
-        print(f"{v:14s} {r['step_s']:.2f} s/forward  {r['tokens_per_s']:.0f} tok/s  "
-              f"peak {r['peak_mib']:.0f} MiB (+{r['peak_fwd_mib']:.0f} MiB in the forward, "
-              f"{r['mem_method']})", flush=True)
+        print(
+            f"{v:14s} {r['step_s']:.2f} s/forward  {r['tokens_per_s']:.0f} tok/s  "
+            f"peak {r['peak_mib']:.0f} MiB (+{r['peak_fwd_mib']:.0f} MiB in the forward, "
+            f"{r['mem_method']})",
+            flush=True,
+        )
     t, h, b = res["tapped"], res["hidden_states"], res["hs_backbone"]
     summary = {
-        "bench": "taps", "batch": a.batch, "seq": a.seq, "dtype": a.dtype, "device": a.device,
-        "threads": a.threads, **res,
+        "bench": "taps",
+        "batch": a.batch,
+        "seq": a.seq,
+        "dtype": a.dtype,
+        "device": a.device,
+        "threads": a.threads,
+        **res,
         "fwd_mem_ratio_hs_over_tapped": h["peak_fwd_mib"] / max(t["peak_fwd_mib"], 1.0),
         "fwd_mem_ratio_backbone_over_tapped": b["peak_fwd_mib"] / max(t["peak_fwd_mib"], 1.0),
         "peak_ratio_hs_over_tapped": h["peak_mib"] / t["peak_mib"],
@@ -143,11 +172,13 @@ def main() -> None:
         "speedup_tapped_vs_backbone": b["step_s"] / t["step_s"],
         "checksum_equal": abs(t["checksum"] - h["checksum"]) <= 1e-6 * max(abs(h["checksum"]), 1),
     }
-    print(f"tapped vs output_hidden_states: {summary['fwd_mem_ratio_hs_over_tapped']:.1f}x less "
-          f"forward memory ({summary['peak_ratio_hs_over_tapped']:.2f}x less total peak), "
-          f"{summary['speedup_tapped_vs_hs']:.2f}x faster; vs backbone-only hidden states: "
-          f"{summary['fwd_mem_ratio_backbone_over_tapped']:.1f}x less memory, "
-          f"{summary['speedup_tapped_vs_backbone']:.2f}x faster")
+    print(
+        f"tapped vs output_hidden_states: {summary['fwd_mem_ratio_hs_over_tapped']:.1f}x less "
+        f"forward memory ({summary['peak_ratio_hs_over_tapped']:.2f}x less total peak), "
+        f"{summary['speedup_tapped_vs_hs']:.2f}x faster; vs backbone-only hidden states: "
+        f"{summary['fwd_mem_ratio_backbone_over_tapped']:.1f}x less memory, "
+        f"{summary['speedup_tapped_vs_backbone']:.2f}x faster"
+    )
     print(json.dumps(summary))
 
 

@@ -26,7 +26,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import synthetic_dataset  # noqa: E402
-
 from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.models.target import TargetModel, tap_layer_ids  # noqa: E402
 from dflash_trainer.observe.flops import peak_tflops  # noqa: E402
@@ -35,10 +34,19 @@ from dflash_trainer.trainer import train  # noqa: E402
 
 def qwen3_8b_target(layers: int = 36) -> TargetModel:
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                      num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
-                      tie_word_embeddings=False)
+
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    )
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(cfg)
@@ -47,12 +55,25 @@ def qwen3_8b_target(layers: int = 36) -> TargetModel:
 
 
 def cfg_for(run_dir, schedule, steps):
-    return load_config("qwen3-8b", None, [
-        f"--run_dir={run_dir}", "--pipeline.target_devices=cuda:0", "--pipeline.drafter_device=cuda:0",
-        f"--pipeline.schedule={schedule}", f"--optim.max_steps={steps}", "--optim.epochs=100",
-        "--metrics.wandb=off", "--metrics.tensorboard=false", "--metrics.console=false",
-        "--data.max_length=3072", "--batching.max_tokens=16384", "--checkpoint.keep_last=1",
-        "--drafter.num_anchors=512"])
+    return load_config(
+        "qwen3-8b",
+        None,
+        [
+            f"--run_dir={run_dir}",
+            "--pipeline.target_devices=cuda:0",
+            "--pipeline.drafter_device=cuda:0",
+            f"--pipeline.schedule={schedule}",
+            f"--optim.max_steps={steps}",
+            "--optim.epochs=100",
+            "--metrics.wandb=off",
+            "--metrics.tensorboard=false",
+            "--metrics.console=false",
+            "--data.max_length=3072",
+            "--batching.max_tokens=16384",
+            "--checkpoint.keep_last=1",
+            "--drafter.num_anchors=512",
+        ],
+    )
 
 
 def run(target, ds, schedule, steps, sync_check=False):
@@ -65,6 +86,7 @@ def run(target, ds, schedule, steps, sync_check=False):
             name = threading.current_thread().name
             if name.startswith(("target", "drafter", "sequential")):
                 hits.append((name, str(message)[:200]))
+
         warnings.showwarning = record
         warnings.simplefilter("always")
     torch.cuda.reset_peak_memory_stats()
@@ -90,9 +112,13 @@ def main():
     res = {}
     for sched in ("sequential", "pipelined"):
         r, _, mem = run(target, ds, sched, 20)
-        res[sched] = {"tok_s": r.tokens / r.wall_s, "steps": r.steps, "wall_s": r.wall_s,
-                      "peak_mem_gib": mem, "metrics": {k: v for k, v in r.metrics.items()
-                                                       if k.startswith(("tput/", "mem/"))}}
+        res[sched] = {
+            "tok_s": r.tokens / r.wall_s,
+            "steps": r.steps,
+            "wall_s": r.wall_s,
+            "peak_mem_gib": mem,
+            "metrics": {k: v for k, v in r.metrics.items() if k.startswith(("tput/", "mem/"))},
+        }
     r, hits, mem = run(target, ds, "pipelined", 8, sync_check=True)
     m = res["pipelined"]["metrics"]
     table = [
@@ -112,8 +138,13 @@ def main():
     ]
     out = Path(__file__).parent / "out"
     out.mkdir(exist_ok=True)
-    payload = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
-               "results": res, "sync_hits": hits[:20], "table": table}
+    payload = {
+        "device": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%d"),
+        "results": res,
+        "sync_hits": hits[:20],
+        "table": table,
+    }
     (out / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str))
     print(f"\n## gpu_check {payload['date']} on {payload['device']}\n")
     print("| metric | value |\n|---|---|")

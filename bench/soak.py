@@ -43,18 +43,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     from tiny import tiny_config, tiny_dataset, tiny_target
+
     rng = random.Random(a.seed)
     ds = tiny_dataset(n=40)
     if a.embedded:
         from dflash_trainer.config import load_config
         from dflash_trainer.models.target import TargetModel
+
         target = TargetModel.load(load_config("smollm2-cpu").target, "cpu")
         from bench_pipeline import synthetic_dataset
+
         ds = synthetic_dataset(60, target.vocab_size)
     else:
         target = tiny_target()
     run = Path(tempfile.mkdtemp(prefix="soak-"))
-    epochs = 300                            # more than a soak reaches; the clock ends it
+    epochs = 300  # more than a soak reaches; the clock ends it
     deadline = time.monotonic() + 60 * a.minutes
     stats = Counter()
     rss_after_first = None
@@ -62,14 +65,26 @@ def main() -> None:
         kind = rng.choice(["none", "prefetch", "target", "drafter", "sigterm"])
         step = rng.randint(1, 12)
         fault = {"none": "", "sigterm": f"drafter:{step}:sigterm"}.get(kind, f"{kind}:{step}")
-        over = {"optim.epochs": epochs, "checkpoint.every_steps": 4, "checkpoint.resume": True,
-                "pipeline.fault": fault, "optim.max_steps": 0, "optim.lr": 1e-3}
+        over = {
+            "optim.epochs": epochs,
+            "checkpoint.every_steps": 4,
+            "checkpoint.resume": True,
+            "pipeline.fault": fault,
+            "optim.max_steps": 0,
+            "optim.lr": 1e-3,
+        }
         cfg = tiny_config(run, **over)
         if a.embedded:
             from dflash_trainer.config import set_value
-            for k, v in (("drafter.num_heads", 9), ("drafter.num_kv_heads", 3),
-                         ("drafter.head_dim", 64), ("drafter.intermediate_size", 256),
-                         ("target.num_taps", 5), ("batching.max_tokens", 1024)):
+
+            for k, v in (
+                ("drafter.num_heads", 9),
+                ("drafter.num_kv_heads", 3),
+                ("drafter.head_dim", 64),
+                ("drafter.intermediate_size", 256),
+                ("target.num_taps", 5),
+                ("batching.max_tokens", 1024),
+            ):
                 set_value(cfg, k, v)
         stats["cycles"] += 1
         if fault:
@@ -82,23 +97,32 @@ def main() -> None:
         except StageError:
             pass
         if fault:
-            stats["faults_survived"] += 1       # we are still here and will resume from it
+            stats["faults_survived"] += 1  # we are still here and will resume from it
         ck = latest_checkpoint(cfg.run_dir)
         if ck is not None:
             try:
                 d = build_drafter(cfg, target, "cpu")
                 import torch
+
                 opt = torch.optim.AdamW(d.parameters())
                 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-                load_checkpoint(ck, drafter=d, optimizer=opt, scheduler=sched,
-                                generator=torch.Generator(), config=json.loads(
-                                    (ck / "state.json").read_text())["config"])
-            except Exception as e:  # noqa: BLE001 - counted: that is what the soak measures
+                load_checkpoint(
+                    ck,
+                    drafter=d,
+                    optimizer=opt,
+                    scheduler=sched,
+                    generator=torch.Generator(),
+                    config=json.loads((ck / "state.json").read_text())["config"],
+                )
+            except Exception as e:  # counted: that is what the soak measures
                 stats["checkpoints_corrupted"] += 1
                 print(f"checkpoint {ck} failed to load: {e}", file=sys.stderr)
-        print(f"cycle {stats['cycles']}: fault {fault or '-'}, rss {rss_mib():.0f} MiB",
-              file=sys.stderr, flush=True)
-        if stats["cycles"] == 5:             # after warm-up (imports, allocator pools)
+        print(
+            f"cycle {stats['cycles']}: fault {fault or '-'}, rss {rss_mib():.0f} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
+        if stats["cycles"] == 5:  # after warm-up (imports, allocator pools)
             rss_after_first = rss_mib()
     # Ledger: every completed epoch has each sample exactly once.
     rows = [json.loads(line) for line in (run / "run" / "ledger.jsonl").read_text().splitlines()]
@@ -108,19 +132,24 @@ def main() -> None:
     last = max(per_epoch)
     lost = twice = 0
     for e, c in per_epoch.items():
-        if e == last:                # the epoch in progress: no duplicates allowed, gaps are fine
+        if e == last:  # the epoch in progress: no duplicates allowed, gaps are fine
             twice += sum(v - 1 for v in c.values() if v > 1)
             continue
         lost += sum(1 for i in range(len(ds)) if c[i] == 0)
         twice += sum(v - 1 for v in c.values() if v > 1)
     growth = (rss_mib() / rss_after_first - 1.0) if rss_after_first else 0.0
-    result = {"minutes": a.minutes, "cycles": stats["cycles"],
-              "faults_injected": stats["faults_injected"],
-              "faults_survived": stats["faults_survived"],
-              "epochs_completed": len(per_epoch) - 1, "samples_lost": lost,
-              "samples_trained_twice": twice,
-              "checkpoints_corrupted": stats["checkpoints_corrupted"],
-              "rss_growth_after_warmup": growth, "rss_mib": rss_mib()}
+    result = {
+        "minutes": a.minutes,
+        "cycles": stats["cycles"],
+        "faults_injected": stats["faults_injected"],
+        "faults_survived": stats["faults_survived"],
+        "epochs_completed": len(per_epoch) - 1,
+        "samples_lost": lost,
+        "samples_trained_twice": twice,
+        "checkpoints_corrupted": stats["checkpoints_corrupted"],
+        "rss_growth_after_warmup": growth,
+        "rss_mib": rss_mib(),
+    }
     for k, v in result.items():
         print(f"{k:24s} {v}")
     print(json.dumps({"bench": "soak", **result}))

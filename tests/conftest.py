@@ -15,16 +15,20 @@ CHATML_TEMPLATE = (
     "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
     "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 
-WORDS = ("system user assistant You are a helpful Hello Hi there How is it going Fine thanks "
-         "Tell me joke no Bye see you what 2 + 3 5 ? ! . , 0 1 4 6 7 8 9 long text word").split()
+WORDS = (
+    "system user assistant You are a helpful Hello Hi there How is it going Fine thanks "
+    "Tell me joke no Bye see you what 2 + 3 5 ? ! . , 0 1 4 6 7 8 9 long text word"
+).split()
 
 
 def word_tokenizer(specials: list[str], template: str | None, bos: str | None = None):
@@ -37,8 +41,9 @@ def word_tokenizer(specials: list[str], template: str | None, bos: str | None = 
         vocab.setdefault(w, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s+|\w+|[^\w\s]"), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token=bos,
-                                   pad_token=specials[0])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", bos_token=bos, pad_token=specials[0]
+    )
     fast.add_special_tokens({"additional_special_tokens": specials})
     fast.chat_template = template
     return fast

@@ -40,7 +40,7 @@ def test_dense_mask_matches_definition():
                 assert bool(m[b, qi, kv]) == want, (b, qi, kv)
 
 
-@pytest.mark.parametrize("chunk_elems", [1 << 24, 1])   # one chunk / one block per chunk
+@pytest.mark.parametrize("chunk_elems", [1 << 24, 1])  # one chunk / one block per chunk
 def test_split_matches_dense_values_and_grads(monkeypatch, chunk_elems):
     monkeypatch.setattr(A, "_SPLIT_CHUNK_ELEMS", chunk_elems)
     q, k, v, anchors, valid = _inputs()
@@ -63,18 +63,18 @@ def test_padding_blocks_are_zero_and_finite():
         out = fn(*leaves, anchors, valid, BS)
         keep = valid.repeat_interleave(BS, dim=1)[:, None, :, None]
         assert torch.isfinite(out).all()
-        assert (out * ~keep).abs().max() == 0          # padding blocks output exactly zero
-        assert out[0].abs().sum() > 0                  # ... and valid ones do not
+        assert (out * ~keep).abs().max() == 0  # padding blocks output exactly zero
+        assert out[0].abs().sum() > 0  # ... and valid ones do not
         grads = torch.autograd.grad(out.sum(), leaves)
         assert all(torch.isfinite(g).all() for g in grads)
-        assert grads[0][2].abs().max() == 0            # fully padded row: no gradient
+        assert grads[0][2].abs().max() == 0  # fully padded row: no gradient
 
 
 def test_block_sees_only_its_prefix_and_own_block():
     """Changing context at/after the anchor or other blocks' keys leaves a block unchanged."""
     q, k, v, anchors, valid = _inputs()
     S = k.shape[2] - anchors.shape[1] * BS
-    b, j = 0, 2                                         # anchor 3; overlaps blocks 1 and 3
+    b, j = 0, 2  # anchor 3; overlaps blocks 1 and 3
     a = int(anchors[b, j])
     base = A.split_attention(q, k, v, anchors, valid, BS)
     k2, v2 = k.clone(), v.clone()
@@ -106,7 +106,7 @@ def test_resolve_impl():
     assert A.resolve_impl("dense", "cpu") == "dense"
     with pytest.raises(ValueError):
         A.resolve_impl("eager", "cpu")
-    with pytest.raises(ValueError, match="CUDA"):      # CPU flex has no backward
+    with pytest.raises(ValueError, match="CUDA"):  # CPU flex has no backward
         A.resolve_impl("flex", "cpu")
 
 
@@ -114,6 +114,7 @@ def test_resolve_impl():
 def test_flex_mask_mod_matches_dense_eager_cpu():
     """Eager (uncompiled) flex runs forward on CPU: checks the mask_mod against the reference."""
     import torch.nn.attention.flex_attention as FA
+
     q, k, v, anchors, valid = _inputs(hq=2, hkv=2)
     ref = A.dense_attention(q, k, v, anchors, valid, BS)
     built, real = [], FA.create_block_mask
@@ -121,33 +122,46 @@ def test_flex_mask_mod_matches_dense_eager_cpu():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FA, "create_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
         with pytest.warns(UserWarning):
-            for _ in range(2):                    # two layers of one forward share the BlockMask
-                out = A.flex_block_attention(q, k, v, anchors, valid, BS, compile=False,
-                                             mask_cache=cache)
+            for _ in range(2):  # two layers of one forward share the BlockMask
+                out = A.flex_block_attention(
+                    q, k, v, anchors, valid, BS, compile=False, mask_cache=cache
+                )
     torch.testing.assert_close(out, ref)
     assert len(built) == 1
 
 
-@pytest.mark.skipif(not A.flex_available() or shutil.which("g++") is None,
-                    reason="compiled FlexAttention on CPU needs inductor's C++ compiler")
+@pytest.mark.skipif(
+    not A.flex_available() or shutil.which("g++") is None,
+    reason="compiled FlexAttention on CPU needs inductor's C++ compiler",
+)
 def test_flex_compiled_forward_matches_dense_cpu():
     """The compiled flex kernel (inductor, CPU) with our BlockMask, GQA included, against dense.
 
     CPU flex has no backward and inductor cannot compile create_block_mask on CPU, so the block
     mask is built eagerly here; on CUDA both are compiled (test below)."""
     from torch.nn.attention.flex_attention import create_block_mask
+
     q, k, v, anchors, valid = _inputs(hq=4, hkv=2, N=6, S=13, d=16)
     S = k.shape[2] - q.shape[2]
     ref = A.dense_attention(q, k, v, anchors, valid, BS)
-    bm = create_block_mask(A.flex_mask_mod(anchors, valid, BS, S), q.shape[0], None, q.shape[2],
-                           k.shape[2], device="cpu", _compile=False)
+    bm = create_block_mask(
+        A.flex_mask_mod(anchors, valid, BS, S),
+        q.shape[0],
+        None,
+        q.shape[2],
+        k.shape[2],
+        device="cpu",
+        _compile=False,
+    )
     out = A._compiled_flex()(q, k, v, block_mask=bm, enable_gqa=True)
     keep = valid.repeat_interleave(BS, dim=1)[:, None, :, None]
     torch.testing.assert_close(out * keep, ref)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not A.flex_available(),
-                    reason="compiled FlexAttention needs CUDA")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not A.flex_available(),
+    reason="compiled FlexAttention needs CUDA",
+)
 def test_flex_matches_dense_cuda():
     q, k, v, anchors, valid = (t.cuda() for t in _inputs(N=6, S=13, d=16))
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]

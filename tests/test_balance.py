@@ -13,15 +13,22 @@ S = 10**9  # ns per second
 
 
 def _w(name, busy_s, wait_in_s, wait_out_s, tokens, steps=10):
-    return WorkerCounters(name=name, busy_ns=int(busy_s * S), wait_in_ns=int(wait_in_s * S),
-                          wait_out_ns=int(wait_out_s * S), tokens=tokens, steps=steps)
+    return WorkerCounters(
+        name=name,
+        busy_ns=int(busy_s * S),
+        wait_in_ns=int(wait_in_s * S),
+        wait_out_ns=int(wait_out_s * S),
+        tokens=tokens,
+        steps=steps,
+    )
 
 
 def test_drafter_bound_run_is_named_and_sized():
     # target: 5 s busy, 5 s blocked on the full hidden queue, 1000 tok/s; drafter: always busy,
     # 500 tok/s -> one drafter absorbs half a target worker.
-    b = assess([_w("prefetch", 1, 0, 9, 0), _w("target0", 5, 0, 5, 5000),
-                _w("drafter0", 10, 0, 0, 5000)])
+    b = assess(
+        [_w("prefetch", 1, 0, 9, 0), _w("target0", 5, 0, 5, 5000), _w("drafter0", 10, 0, 0, 5000)]
+    )
     assert b.verdict == "drafter-bound"
     assert b.target_busy == pytest.approx(0.5) and b.drafter_busy == pytest.approx(1.0)
     assert b.target_tok_s == pytest.approx(1000) and b.drafter_tok_s == pytest.approx(500)
@@ -30,8 +37,9 @@ def test_drafter_bound_run_is_named_and_sized():
 
 
 def test_target_bound_with_two_targets():
-    b = assess([_w("target0", 10, 0, 0, 2000), _w("target1", 9, 1, 0, 1800),
-                _w("drafter0", 4, 6, 0, 3800)])
+    b = assess(
+        [_w("target0", 10, 0, 0, 2000), _w("target1", 9, 1, 0, 1800), _w("drafter0", 4, 6, 0, 3800)]
+    )
     assert b.verdict == "target-bound"
     assert b.num_targets == 2 and b.target_tok_s == pytest.approx(200)
     assert b.targets_per_drafter == pytest.approx((3800 / 4) / 200)
@@ -42,7 +50,7 @@ def test_gpu_time_replaces_host_time():
     """On CUDA the host returns before the device finishes: device time from the event timer
     (scaled for untimed steps) is what counts."""
     d = _w("drafter0", 1, 9, 0, 1000, steps=10)
-    d.gpu_timer = SimpleNamespace(enabled=True, total_ms=4500.0, count=5)   # 0.9 s/step
+    d.gpu_timer = SimpleNamespace(enabled=True, total_ms=4500.0, count=5)  # 0.9 s/step
     b = assess([_w("target0", 9.5, 0, 0.5, 1000), d])
     assert b.drafter_busy == pytest.approx(0.9) and b.verdict == "balanced"
 
@@ -57,11 +65,15 @@ def test_train_reports_the_balance(tmp_path, monkeypatch):
     import json
 
     import dflash_trainer.trainer as T
+
     monkeypatch.setattr(T, "assess_balance", functools.partial(assess, min_busy_s=0.0))
     cfg = tiny_config(tmp_path, **{"optim.epochs": 2})
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
     assert res.balance.startswith("pipeline ") and "one drafter can absorb" in res.balance
-    events = [json.loads(l) for l in (res.run_dir / "metrics.jsonl").read_text().splitlines()
-              if "pipeline/verdict" in l]
+    events = [
+        json.loads(l)
+        for l in (res.run_dir / "metrics.jsonl").read_text().splitlines()
+        if "pipeline/verdict" in l
+    ]
     assert len(events) == 1 and events[0]["pipeline/verdict"] in res.balance
     assert 0 < events[0]["pipeline/drafter_busy"] <= 1 and events[0]["pipeline/drafter_tok_s"] > 0

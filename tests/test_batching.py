@@ -5,8 +5,14 @@ import numpy as np
 import pytest
 
 from dflash_trainer.config import BatchingConfig
-from dflash_trainer.data.batching import (assign_buckets, bucket_edges, bucket_entropy,
-                                          padding_efficiency, plan_epoch, plan_epoch_detailed)
+from dflash_trainer.data.batching import (
+    assign_buckets,
+    bucket_edges,
+    bucket_entropy,
+    padding_efficiency,
+    plan_epoch,
+    plan_epoch_detailed,
+)
 from dflash_trainer.errors import UserError
 
 
@@ -15,8 +21,9 @@ def lognormal(n=3000, seed=0, hi=3072):
     return np.clip(rng.lognormal(np.log(300), 1.0, n), 20, hi).astype(np.int64)
 
 
-CFG = BatchingConfig(max_tokens=8192, max_batch_size=32, pad_multiple=16, num_buckets=6, seed=3,
-                     sort_window=256)
+CFG = BatchingConfig(
+    max_tokens=8192, max_batch_size=32, pad_multiple=16, num_buckets=6, seed=3, sort_window=256
+)
 
 
 def test_budget_and_coverage():
@@ -26,7 +33,7 @@ def test_budget_and_coverage():
         padded = math.ceil(lengths[b].max() / 16) * 16
         assert len(b) * padded <= CFG.max_tokens and 1 <= len(b) <= CFG.max_batch_size
     flat = sorted(i for b in batches for i in b)
-    assert flat == list(range(len(lengths)))          # every sample exactly once
+    assert flat == list(range(len(lengths)))  # every sample exactly once
     assert padding_efficiency(batches, lengths, 16) > 0.9
 
 
@@ -44,14 +51,16 @@ def test_shards_disjoint_covering_equal(world):
     glob = plan_epoch_detailed(lengths, CFG, epoch=0)
     plans = [plan_epoch_detailed(lengths, CFG, 0, rank=r, world_size=world) for r in range(world)]
     counts = {len(p.batches) for p in plans}
-    assert len(counts) == 1                                   # same number of steps per rank
+    assert len(counts) == 1  # same number of steps per rank
     assert plans[0].dropped_batches == len(glob.batches) % world
     seen = [i for p in plans for b in p.batches for i in b]
-    assert len(seen) == len(set(seen))                        # disjoint
+    assert len(seen) == len(set(seen))  # disjoint
     assert len(seen) + plans[0].dropped_samples == len(lengths)  # covering (minus counted tail)
-    tail = [i for b in glob.batches[len(glob.batches) - plans[0].dropped_batches:] for i in b]
+    tail = [i for b in glob.batches[len(glob.batches) - plans[0].dropped_batches :] for i in b]
     assert sorted(seen + tail) == list(range(len(lengths)))
-    assert plans[1].batches == glob.batches[1:len(glob.batches) - plans[0].dropped_batches:world]
+    assert (
+        plans[1].batches == glob.batches[1 : len(glob.batches) - plans[0].dropped_batches : world]
+    )
 
 
 def test_lengths_mixed_not_swept():
@@ -76,7 +85,7 @@ def test_bucket_edges_equalise_batches():
     ids = assign_buckets(lengths, edges)
     plan = plan_epoch_detailed(lengths, CFG, epoch=0)
     per_bucket = np.bincount(plan.buckets)
-    assert per_bucket.max() <= 1.5 * per_bucket.min()          # roughly equal batch counts
+    assert per_bucket.max() <= 1.5 * per_bucket.min()  # roughly equal batch counts
     assert np.all(lengths[ids == 0].max() <= lengths[ids == 1].min())
 
 
@@ -97,7 +106,7 @@ def _entropy_ref(ids, k, window):
     w = min(window, len(ids))
     vals = []
     for s in range(len(ids) - w + 1):
-        c = np.bincount(ids[s:s + w], minlength=k) / w
+        c = np.bincount(ids[s : s + w], minlength=k) / w
         vals.append(-sum(p * math.log(p) for p in c if p > 0) / math.log(k))
     return float(np.mean(vals))
 

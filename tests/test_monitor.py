@@ -70,9 +70,15 @@ def build(clock, **kw):
     q = BoundedQueue("features", capacity=4, poll_s=0.01)
     ring = ScalarRing(["loss", "acc_0", "accept_len"], capacity=16)
     sink = RecordingSink()
-    args = dict(workers=[target, drafter], queues=[q], rings={"drafter0": ring}, sinks=sink,
-                nvml=FakeCollector({"gpu/0/util": 50.0, "gpu/0/mem_used_gib": 10.0}),
-                allocator=FakeCollector({"mem/0/reserved_gib": 8.0}), clock=clock)
+    args = dict(
+        workers=[target, drafter],
+        queues=[q],
+        rings={"drafter0": ring},
+        sinks=sink,
+        nvml=FakeCollector({"gpu/0/util": 50.0, "gpu/0/mem_used_gib": 10.0}),
+        allocator=FakeCollector({"mem/0/reserved_gib": 8.0}),
+        clock=clock,
+    )
     args.update(kw)
     mon = Monitor(cfg(peak_tflops=100.0), "unused", **args)
     return mon, target, drafter, q, ring, sink
@@ -80,9 +86,18 @@ def build(clock, **kw):
 
 def test_window_metrics_exact():
     clock = Clock()
-    flops = FlopsModel(target_params_matmul=1e9, target_layers=10, target_attn_dim=1024,
-                       drafter_params_matmul=1e8, drafter_layers=1, drafter_attn_dim=1024,
-                       drafter_context_params=1e7, lm_head_params=5e7, block_size=16, seq_len=512)
+    flops = FlopsModel(
+        target_params_matmul=1e9,
+        target_layers=10,
+        target_attn_dim=1024,
+        drafter_params_matmul=1e8,
+        drafter_layers=1,
+        drafter_attn_dim=1024,
+        drafter_context_params=1e7,
+        lm_head_params=5e7,
+        block_size=16,
+        seq_len=512,
+    )
     comp = lambda: {"padding_eff": 0.8, "batch/len_mean": 256, "note": "x"}  # noqa: E731
     mon, target, drafter, q, ring, sink = build(clock, flops=flops, composition=comp)
     mon.cfg.log_every_s = 2.0
@@ -96,24 +111,25 @@ def test_window_metrics_exact():
     drafter.gauges["lr"] = 3e-4
     q.put(types.SimpleNamespace(enqueued_ns=time.perf_counter_ns()), stop)
     clock.t += 0.5
-    mon.tick()                      # depth 1
+    mon.tick()  # depth 1
     q.put(types.SimpleNamespace(enqueued_ns=time.perf_counter_ns()), stop)
     clock.t += 0.5
-    mon.tick()                      # depth 2
+    mon.tick()  # depth 2
     q.get(stop)
     q.get(stop)
     clock.t += 0.5
-    mon.tick()                      # depth 0
+    mon.tick()  # depth 0
     for s, loss in [(1, 2.0), (2, 4.0), (3, float("nan"))]:
         ring.push(s, torch.tensor([loss, 0.5, 3.0]))
     target.last_progress = clock.t - 0.25
     clock.t += 0.5
-    mon.tick()                      # depth 0, logs (2.0 s >= 1.0 s)
+    mon.tick()  # depth 0, logs (2.0 s >= 1.0 s)
     assert len(sink.logs) == 1
     step, m = sink.logs[0]
     assert step == 3
-    assert all(isinstance(v, float) for v in m.values()), [k for k, v in m.items()
-                                                          if not isinstance(v, float)]
+    assert all(isinstance(v, float) for v in m.values()), [
+        k for k, v in m.items() if not isinstance(v, float)
+    ]
     assert m["time/elapsed_s"] == 2.0
     w = "worker/target0/"
     assert m[w + "steps_per_s"] == 2.0 and m[w + "items_per_s"] == 8.0
@@ -152,8 +168,12 @@ def test_window_metrics_exact():
     assert m["tput/mfu_drafter"] == pytest.approx(d_tfl)
     # Collectors and self-overhead.
     assert m["gpu/0/util"] == 50.0 and m["mem/0/reserved_gib"] == 8.0
-    for k in ("prof/monitor/tick_ms", "prof/monitor/nvml_ms", "prof/monitor/log_ms",
-              "monitor/collector_errors"):
+    for k in (
+        "prof/monitor/tick_ms",
+        "prof/monitor/nvml_ms",
+        "prof/monitor/log_ms",
+        "monitor/collector_errors",
+    ):
         assert k in m
     assert mon.latest()["drafter/loss"] == pytest.approx(3.0)
     assert math.isnan(mon.latest()["drafter/loss_last"])
@@ -164,7 +184,7 @@ def test_window_metrics_exact():
     mon.tick()
     m2 = sink.logs[1][1]
     assert m2["worker/target0/steps_per_s"] == 0.5 and m2["worker/target0/steps_total"] == 5.0
-    assert "drafter/loss" not in m2                   # no new ring samples in this window
+    assert "drafter/loss" not in m2  # no new ring samples in this window
     assert m2["prof/monitor/log_ms"] > 0.0
 
 
@@ -184,6 +204,7 @@ def test_collector_errors_counted_reported_once(caplog):
 
     def comp():
         raise KeyError("composition broke")
+
     mon, *_, sink = build(clock, nvml=bad, composition=comp)
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
@@ -215,7 +236,7 @@ def test_log_event_and_close():
         mon.log_event({"loss": torch.tensor(1.0)})
     ring.push(5, torch.tensor([1.0, 1.0, 1.0]))
     clock.t += 0.3
-    mon.close()                                       # flushes the partial window
+    mon.close()  # flushes the partial window
     assert len(sink.logs) == 1 and sink.logs[0][1]["drafter/loss"] == 1.0
     assert sink.closed == 1
     mon.close()
@@ -224,7 +245,7 @@ def test_log_event_and_close():
 
 def test_monitor_with_real_sinks_writes_jsonl(tmp_path):
     w = WorkerCounters("target0")
-    mon = Monitor(cfg(), tmp_path, workers=[w])      # builds jsonl only (wandb/tb/console off)
+    mon = Monitor(cfg(), tmp_path, workers=[w])  # builds jsonl only (wandb/tb/console off)
     w.steps, w.tokens = 3, 300
     mon.tick(now=mon._t_start + 1.5)
     mon.close(now=mon._t_start + 2.0)
@@ -237,14 +258,23 @@ def test_monitor_with_real_sinks_writes_jsonl(tmp_path):
 def test_tick_overhead_small():
     """8 workers, 4 queues, a 20-scalar ring: measure the per-tick and per-log cost."""
     clock = Clock()
-    workers = [WorkerCounters(f"target{i}") for i in range(4)] + \
-              [WorkerCounters(f"drafter{i}") for i in range(4)]
+    workers = [WorkerCounters(f"target{i}") for i in range(4)] + [
+        WorkerCounters(f"drafter{i}") for i in range(4)
+    ]
     queues = [BoundedQueue(f"q{i}", 8) for i in range(4)]
     ring = ScalarRing([f"m{i}" for i in range(20)], capacity=64)
     sink = RecordingSink()
-    mon = Monitor(cfg(log_every_s=1e9), "unused", workers=workers, queues=queues,
-                  rings={"drafter0": ring}, sinks=sink, nvml=FakeCollector(),
-                  allocator=FakeCollector(), clock=clock)
+    mon = Monitor(
+        cfg(log_every_s=1e9),
+        "unused",
+        workers=workers,
+        queues=queues,
+        rings={"drafter0": ring},
+        sinks=sink,
+        nvml=FakeCollector(),
+        allocator=FakeCollector(),
+        clock=clock,
+    )
     vals = torch.zeros(20)
     n = 500
     t0 = time.perf_counter()
@@ -257,8 +287,10 @@ def test_tick_overhead_small():
     for _ in range(50):
         mon._log(clock.t)
     log_us = (time.perf_counter() - t0) / 50 * 1e6
-    print(f"\nmonitor tick (incl. one push): {tick_us:.1f} us; log build: {log_us:.1f} us; "
-          f"keys/log: {len(sink.logs[-1][1])}")
+    print(
+        f"\nmonitor tick (incl. one push): {tick_us:.1f} us; log build: {log_us:.1f} us; "
+        f"keys/log: {len(sink.logs[-1][1])}"
+    )
     assert tick_us < 2000 and log_us < 20000
 
 
@@ -272,35 +304,65 @@ def test_flops_target_matches_flop_counter():
     from dflash_trainer.observe.flops import layer_matmul_params
 
     torch.manual_seed(0)
-    hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                     attn_implementation="eager")   # explicit matmuls: counted
+    hf = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        attn_implementation="eager",
+    )  # explicit matmuls: counted
     model = LlamaModel(hf).eval()
-    n_linear = sum(m.weight.numel() for m in model.layers.modules()
-                   if isinstance(m, torch.nn.Linear))
+    n_linear = sum(
+        m.weight.numel() for m in model.layers.modules() if isinstance(m, torch.nn.Linear)
+    )
     assert layer_matmul_params(hf) * 2 == n_linear
     S = 32
     with FlopCounterMode(display=False) as fc, torch.no_grad():
         model(torch.randint(0, 128, (1, S)))
     counted = fc.get_total_flops()
-    fm = FlopsModel.from_configs(hf, target_layers_run=2,
-                                 drafter_cfg=types.SimpleNamespace(
-                                     hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                                     head_dim=16, intermediate_size=128, block_size=4,
-                                     target_layer_ids=[0, 1]), seq_len=S)
+    fm = FlopsModel.from_configs(
+        hf,
+        target_layers_run=2,
+        drafter_cfg=types.SimpleNamespace(
+            hidden_size=64,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            block_size=4,
+            target_layer_ids=[0, 1],
+        ),
+        seq_len=S,
+    )
     ours = S * fm.target_flops_per_token()
-    full_attention_extra = 2 * 2 * 64 * S * S          # L * (QK + PV) * d * S^2 / 2
+    full_attention_extra = 2 * 2 * 64 * S * S  # L * (QK + PV) * d * S^2 / 2
     assert ours + full_attention_extra == counted
 
 
 def test_flops_drafter_terms_and_peaks():
     from dflash_trainer.observe.flops import peak_tflops, peak_tflops_for_name
 
-    t = types.SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=16, intermediate_size=128, vocab_size=100)
-    d = types.SimpleNamespace(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                              head_dim=16, intermediate_size=128, block_size=4,
-                              target_layer_ids=[0, 1, 2])
+    t = types.SimpleNamespace(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=100,
+    )
+    d = types.SimpleNamespace(
+        hidden_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        block_size=4,
+        target_layer_ids=[0, 1, 2],
+    )
     fm = FlopsModel.from_configs(t, 3, d, seq_len=20)
     per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
     assert fm.drafter_params_matmul == per_layer

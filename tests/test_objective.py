@@ -15,10 +15,21 @@ H, NF, BS, V, MASK = 32, 2, 4, 64, 63
 
 def _setup(seed=0):
     torch.manual_seed(seed)
-    cfg = DFlashConfig(hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                       intermediate_size=48, block_size=BS, target_layer_ids=[1, 2],
-                       num_target_layers=4, mask_token_id=MASK, vocab_size=V, init_std=0.1,
-                       attention="split")
+    cfg = DFlashConfig(
+        hidden_size=H,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        block_size=BS,
+        target_layer_ids=[1, 2],
+        num_target_layers=4,
+        mask_token_id=MASK,
+        vocab_size=V,
+        init_std=0.1,
+        attention="split",
+    )
     drafter = DFlashDrafter(cfg)
     embed = torch.randn(V, H)
     lm_head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
@@ -29,9 +40,9 @@ def _data(B=3, S=20, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V - 1, (B, S), generator=g)
     lm = torch.zeros(B, S, dtype=torch.bool)
-    lm[0, 5:18] = True             # prompt 0..4, response 5..17, then padding
-    lm[1, 3:6] = True              # short response: valid anchors 3, 4 (not 5: 6 is unsupervised)
-    lm[1, 9:14] = True             # second assistant turn: anchors 9..12
+    lm[0, 5:18] = True  # prompt 0..4, response 5..17, then padding
+    lm[1, 3:6] = True  # short response: valid anchors 3, 4 (not 5: 6 is unsupervised)
+    lm[1, 9:14] = True  # second assistant turn: anchors 9..12
     # row 2: no supervised token at all (e.g. a padded row)
     feats = torch.randn(B, S, NF * H, generator=g)
     return ids, lm, feats
@@ -55,8 +66,8 @@ def test_anchor_sampling_rules():
             ok = [p for p in range(19) if lm[b, p] and lm[b, p + 1]]
             got = anchors[b][valid[b]].tolist()
             assert len(got) == min(6, len(ok))
-            assert all(lm[b, p] and lm[b, p + 1] for p in got)   # never prompt / last token
-            assert got == sorted(set(got))                        # sorted, without replacement
+            assert all(lm[b, p] and lm[b, p + 1] for p in got)  # never prompt / last token
+            assert got == sorted(set(got))  # sorted, without replacement
             assert valid[b].tolist() == sorted(valid[b].tolist(), reverse=True)  # padding last
     # same generator seed -> same anchors; different seed -> different (row 0 has 12 choices)
     a1 = obj.sample_anchors(lm, torch.Generator().manual_seed(7))[0]
@@ -67,7 +78,7 @@ def test_anchor_sampling_rules():
 
 def test_anchor_sampling_uniform():
     lm = torch.zeros(1, 12, dtype=torch.bool)
-    lm[0, 2:10] = True                                     # valid anchors 2..8 (7 positions)
+    lm[0, 2:10] = True  # valid anchors 2..8 (7 positions)
     obj = DFlashObjective(BS, num_anchors=3)
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(12)
@@ -75,13 +86,13 @@ def test_anchor_sampling_uniform():
         a, v = obj.sample_anchors(lm, g)
         counts.index_add_(0, a[0], v[0].float())
     assert counts[:2].sum() == 0 and counts[9:].sum() == 0
-    freq = counts[2:9] / 700                               # each 3/7 ~ 0.43
+    freq = counts[2:9] / 700  # each 3/7 ~ 0.43
     assert (freq - 3 / 7).abs().max() < 0.08
 
 
 def test_more_anchors_than_positions_pads():
     ids, lm, _ = _data(S=20)
-    obj = DFlashObjective(BS, num_anchors=40)              # > S-1 candidate positions
+    obj = DFlashObjective(BS, num_anchors=40)  # > S-1 candidate positions
     anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(0))
     assert anchors.shape == (3, 40)
     assert valid.sum(1).tolist() == [12, 6, 0]
@@ -105,7 +116,7 @@ def test_blocks_and_same_position_labels():
                 want_valid = bool(valid[b, j]) and k >= 1 and a + k < S and bool(lm[b, a + k])
                 assert bool(lv[b, j, k]) == want_valid
                 if want_valid:
-                    assert labels[b, j, k] == ids[b, a + k]      # same position, not a + k + 1
+                    assert labels[b, j, k] == ids[b, a + k]  # same position, not a + k + 1
 
 
 def _reference_loss(obj, drafter, embed, lm_head, feats, ids, lm, g_seed):
@@ -148,13 +159,14 @@ def test_loss_matches_naive_reference():
 def test_chunked_equals_unchunked_values_and_grads():
     ids, lm, feats = _data()
     results = []
-    for chunk in (1, 4, 1000, 0):                      # 0 = auto (memory budget)
+    for chunk in (1, 4, 1000, 0):  # 0 = auto (memory budget)
         drafter, embed, lm_head = _setup()
         obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK, chunk_blocks=chunk)
         out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(1))
         out.loss.backward()
-        results.append((out.loss.detach(), out.metrics,
-                        [p.grad.clone() for p in drafter.parameters()]))
+        results.append(
+            (out.loss.detach(), out.metrics, [p.grad.clone() for p in drafter.parameters()])
+        )
     for loss, metrics, grads in results[1:]:
         torch.testing.assert_close(loss, results[0][0])
         torch.testing.assert_close(metrics, results[0][1])
@@ -198,8 +210,9 @@ def test_padding_rows_finite_loss_and_grads():
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
     # A batch with no supervised token at all: loss 0, grads finite (zero).
     drafter.zero_grad()
-    out = obj(drafter, embed, lm_head, feats, ids, torch.zeros_like(lm),
-              torch.Generator().manual_seed(0))
+    out = obj(
+        drafter, embed, lm_head, feats, ids, torch.zeros_like(lm), torch.Generator().manual_seed(0)
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
@@ -221,8 +234,13 @@ def test_metrics_accuracy_and_acceptance():
 
 
 class _SyncCounter(TorchDispatchMode):
-    SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal",
-                "aten::item"}
+    SYNC_OPS = {
+        "aten::_local_scalar_dense",
+        "aten::nonzero",
+        "aten::is_nonzero",
+        "aten::equal",
+        "aten::item",
+    }
 
     def __init__(self):
         super().__init__()
@@ -234,10 +252,15 @@ class _SyncCounter(TorchDispatchMode):
         if name in self.SYNC_OPS:
             self.hits.append(name)
         out = func(*args, **kwargs)
-        if name in ("aten::_to_copy", "aten::copy_", "aten::to"):   # device -> host copies
+        if name in ("aten::_to_copy", "aten::copy_", "aten::to"):  # device -> host copies
             src = [a for a in args if isinstance(a, torch.Tensor)]
             dst = out if isinstance(out, torch.Tensor) else None
-            if src and dst is not None and src[-1].device != dst.device and dst.device.type == "cpu":
+            if (
+                src
+                and dst is not None
+                and src[-1].device != dst.device
+                and dst.device.type == "cpu"
+            ):
                 self.hits.append(f"{name} {src[-1].device}->cpu")
         return out
 
@@ -276,6 +299,7 @@ def test_hand_written_linear_ce_matches_autograd(autocast):
     """The in-place CE of the Linear fast path against plain autograd CE on the same logits,
     in fp32 and under bf16 autocast (bf16 logits, upcast by the shift)."""
     from dflash_trainer.train.objective import _linear_ce
+
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 3, 5, 16, generator=g)
     weight = torch.randn(50, 16, generator=g)
@@ -284,10 +308,11 @@ def test_hand_written_linear_ce_matches_autograd(autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         hh = h.clone().requires_grad_(True)
         logits = torch.nn.functional.linear(hh, weight)
-        ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 2), labels.flatten(),
-                                               reduction="none")
+        ce = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 2), labels.flatten(), reduction="none"
+        )
         ref_num = (ce.view_as(wm) * wm).sum()
-        ref_grad, = torch.autograd.grad(ref_num, hh)
+        (ref_grad,) = torch.autograd.grad(ref_num, hh)
         num, correct, grad_h = _linear_ce(h, weight, labels, wm, need_grad=True)
     tol = dict(atol=2e-2, rtol=2e-2) if autocast else {}
     torch.testing.assert_close(num, ref_num.detach(), **tol)
@@ -297,6 +322,7 @@ def test_hand_written_linear_ce_matches_autograd(autocast):
 
 def test_auto_chunk_is_sized_by_vocab_and_rows():
     from dflash_trainer.train import objective as O
+
     head = torch.nn.Linear(8, 49152, bias=False)
     # 2^25 fp32 logits per chunk: 1 row x 15 slots -> 45 blocks; 8 rows -> 5; a huge vocab -> 1
     assert O._auto_chunk_blocks(head, 1, 15) == (1 << 25) // (15 * 49152) == 45

@@ -42,9 +42,10 @@ def test_guarded_step_matches_plain_adamw_with_clipping():
     lin, opt, guard = _setup()
     ref = torch.nn.Linear(4, 3)
     ref.load_state_dict(lin.state_dict())
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=0.0)
-    for i in range(3):
+    ref_opt = torch.optim.AdamW(
+        ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0
+    )
+    for _ in range(3):
         x = torch.randn(5, 4) * 10
         for m, o in ((lin, None), (ref, ref_opt)):
             loss = m(x).pow(2).mean()
@@ -70,6 +71,7 @@ def test_schedule_warmup_then_cosine_to_min():
 
 def test_segmented_schedule_is_continuous_across_a_changed_total():
     from dflash_trainer.train.optim import segmented_lr_lambda
+
     cfg = OptimConfig(warmup_ratio=0.1, min_lr_ratio=0.1)
     plain, one = lr_lambda(cfg, 100), segmented_lr_lambda(cfg, [[100, 0]])
     assert all(plain(s) == one(s) for s in range(101))
@@ -77,9 +79,9 @@ def test_segmented_schedule_is_continuous_across_a_changed_total():
     # follows the old one to step 40, then stretches the rest over 120 steps to the same end.
     f = segmented_lr_lambda(cfg, [[100, 0], [160, 40]])
     assert all(f(s) == plain(s) for s in range(41))
-    assert abs(f(41) - f(40)) < 0.01                     # no jump at the resume step
-    assert math.isclose(f(100), plain(70))               # halfway through what was left
-    assert math.isclose(f(160), 0.1)                     # ends where the schedule ends
+    assert abs(f(41) - f(40)) < 0.01  # no jump at the resume step
+    assert math.isclose(f(100), plain(70))  # halfway through what was left
+    assert math.isclose(f(160), 0.1)  # ends where the schedule ends
     assert all(f(s + 1) <= f(s) for s in range(10, 160))
     # the naive rebuild (what a resume used to do) jumps up at the resume step
     assert lr_lambda(cfg, 160)(41) - plain(40) > 0.05

@@ -75,6 +75,7 @@ def test_resume_from_background_checkpoint_after_a_crash_matches_uninterrupted(t
     with pytest.raises(StageError, match="injected fault in stage 'drafter' at step 10"):
         _run(tmp_path / "run2", **over, **{"pipeline.fault": "drafter:10"})
     from dflash_trainer.checkpoint import latest_checkpoint
+
     assert latest_checkpoint(tmp_path / "run2" / "run").name == "step-0000008"
     cfg = tiny_config(tmp_path / "run2", **over, **{"checkpoint.resume": True})
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
@@ -87,13 +88,23 @@ def test_resume_from_background_checkpoint_after_a_crash_matches_uninterrupted(t
         assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
 
 
-@pytest.mark.parametrize("schedule,stage", [("pipelined", "prefetch"), ("pipelined", "target"),
-                                            ("pipelined", "drafter"), ("sequential", "target")])
+@pytest.mark.parametrize(
+    "schedule,stage",
+    [
+        ("pipelined", "prefetch"),
+        ("pipelined", "target"),
+        ("pipelined", "drafter"),
+        ("sequential", "target"),
+    ],
+)
 def test_fault_in_a_stage_stops_the_run_naming_it(tmp_path, schedule, stage):
     t0 = time.monotonic()
     worker = "sequential0" if schedule == "sequential" else stage
-    with pytest.raises(StageError, match=rf"stage '{worker}\w*' failed: InjectedFault: "
-                                         rf"injected fault in stage '{stage}"):
+    with pytest.raises(
+        StageError,
+        match=rf"stage '{worker}\w*' failed: InjectedFault: "
+        rf"injected fault in stage '{stage}",
+    ):
         _run(tmp_path, **{"pipeline.schedule": schedule, "pipeline.fault": f"{stage}:3"})
     assert time.monotonic() - t0 < 30
 
@@ -101,8 +112,14 @@ def test_fault_in_a_stage_stops_the_run_naming_it(tmp_path, schedule, stage):
 def test_hung_stage_is_detected_by_the_stall_detector(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(StageError, match=r"stage 'target0' failed: no progress"):
-        _run(tmp_path, **{"pipeline.fault": "target:2:hang", "pipeline.stall_timeout_s": 2,
-                          "pipeline.shutdown_deadline_s": 2})
+        _run(
+            tmp_path,
+            **{
+                "pipeline.fault": "target:2:hang",
+                "pipeline.stall_timeout_s": 2,
+                "pipeline.shutdown_deadline_s": 2,
+            },
+        )
     assert time.monotonic() - t0 < 30
 
 
@@ -122,8 +139,10 @@ class _NanTarget:
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
     # NaN from the first batch would be refused by the startup tap check (tested in
     # test_target); this test is about NaN that appears mid-run, so the check is off here.
-    cfg = tiny_config(tmp_path, **{"optim.max_consecutive_skips": 4, "optim.epochs": 6,
-                                   "target.check_taps": False})
+    cfg = tiny_config(
+        tmp_path,
+        **{"optim.max_consecutive_skips": 4, "optim.epochs": 6, "target.check_taps": False},
+    )
     target = tiny_target()
     with pytest.raises(StageError, match="consecutive optimizer steps had a non-finite"):
         train(cfg, target=_NanTarget(target), train_set=tiny_dataset())
@@ -132,8 +151,15 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
 def test_periodic_eval_keeps_the_best_drafter(tmp_path):
     ds = tiny_dataset(n=28)
     train_set, heldout = ds.subset(range(24)), ds.subset(range(24, 28))
-    cfg = tiny_config(tmp_path, **{"eval.every_steps": 10, "eval.num_prompts": 2,
-                                   "eval.max_new_tokens": 8, "optim.epochs": 3})
+    cfg = tiny_config(
+        tmp_path,
+        **{
+            "eval.every_steps": 10,
+            "eval.num_prompts": 2,
+            "eval.max_new_tokens": 8,
+            "optim.epochs": 3,
+        },
+    )
     res = train(cfg, target=tiny_target(), train_set=train_set, heldout=heldout)
     rows = [json.loads(l) for l in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     taus = [r for r in rows if any("eval/tau" in str(k) for k in r)]
@@ -141,13 +167,17 @@ def test_periodic_eval_keeps_the_best_drafter(tmp_path):
     best = json.loads((res.run_dir / "best" / "eval.json").read_text())
     assert best["tau"] >= 1.0
     from dflash_trainer.models.export import load_drafter
+
     load_drafter(res.run_dir / "best", "cpu")
 
 
 @pytest.mark.parametrize("stage", ["target", "drafter"])
 def test_out_of_memory_names_batch_shape_and_setting(tmp_path, stage):
-    with pytest.raises(StageError, match=rf"out of memory in the {stage} step on a batch of "
-                                         rf"\d+ x \d+ tokens; lower batching\.max_tokens"):
+    with pytest.raises(
+        StageError,
+        match=rf"out of memory in the {stage} step on a batch of "
+        rf"\d+ x \d+ tokens; lower batching\.max_tokens",
+    ):
         _run(tmp_path, **{"pipeline.fault": f"{stage}:2:oom"})
 
 
@@ -165,14 +195,18 @@ def test_bf16_target_with_fp32_drafter_on_cpu(tmp_path):
 def test_wrong_features_stop_the_run_before_any_step(tmp_path, schedule):
     """The startup tap check runs through the training capture path, on both schedules."""
     from dflash_trainer.errors import UserError
+
     target = tiny_target(layers=6)
-    target.layer_ids = list(reversed(target.layer_ids))      # hooks no longer match the ids
+    target.layer_ids = list(reversed(target.layer_ids))  # hooks no longer match the ids
     cfg = tiny_config(tmp_path, **{"pipeline.schedule": schedule})
     with pytest.raises(UserError, match="differ from output_hidden_states"):
         train(cfg, target=target, train_set=tiny_dataset())
     assert not (tmp_path / "run" / "checkpoints").exists() or not any(
-        (tmp_path / "run" / "checkpoints").iterdir())
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
     # ... and with the check off, the same run trains (the check is what stopped it)
-    cfg = tiny_config(tmp_path / "off", **{"pipeline.schedule": schedule,
-                                           "target.check_taps": False, "optim.max_steps": 2})
+    cfg = tiny_config(
+        tmp_path / "off",
+        **{"pipeline.schedule": schedule, "target.check_taps": False, "optim.max_steps": 2},
+    )
     assert train(cfg, target=target, train_set=tiny_dataset()).steps == 2

@@ -13,8 +13,9 @@ from dflash_trainer.data.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.messages import End, EpochEnd, StageFailure, WorkItem
 from dflash_trainer.pipeline.queues import BoundedQueue
 
-CFG = BatchingConfig(max_tokens=512, max_batch_size=8, pad_multiple=8, num_buckets=4, seed=1,
-                     sort_window=32)
+CFG = BatchingConfig(
+    max_tokens=512, max_batch_size=8, pad_multiple=8, num_buckets=4, seed=1, sort_window=32
+)
 
 
 def make_dataset(n=120, seed=0, pad_id=7):
@@ -28,8 +29,9 @@ def make_dataset(n=120, seed=0, pad_id=7):
 def run_prefetcher(ds, epochs=2, start=(0, 0), stop_after=None, rank=0, world_size=1, cap=2):
     """Consume items as a trainer would; stop after `stop_after` WorkItems (None = to the End)."""
     q, stop, failures = BoundedQueue("work", cap, poll_s=0.01), threading.Event(), queue.Queue()
-    pf = BatchPrefetcher(ds, CFG, q, stop, failures, epochs, rank=rank, world_size=world_size,
-                         start=start)
+    pf = BatchPrefetcher(
+        ds, CFG, q, stop, failures, epochs, rank=rank, world_size=world_size, start=start
+    )
     pf.start()
     items, markers = [], []
     while True:
@@ -64,10 +66,13 @@ def test_stream_contents_and_markers(caplog):
         pf, items, markers = run_prefetcher(ds, epochs=2)
     plans = [plan_epoch(ds.lengths, CFG, e) for e in range(2)]
     assert [type(m) for m in markers] == [EpochEnd, EpochEnd, End]
-    assert [(m.epoch, m.num_batches) for m in markers[:2]] == [(0, len(plans[0])),
-                                                               (1, len(plans[1]))]
-    assert [(it.epoch, it.seq_no) for it in items] == \
-        [(e, s) for e in range(2) for s in range(len(plans[e]))]
+    assert [(m.epoch, m.num_batches) for m in markers[:2]] == [
+        (0, len(plans[0])),
+        (1, len(plans[1])),
+    ]
+    assert [(it.epoch, it.seq_no) for it in items] == [
+        (e, s) for e in range(2) for s in range(len(plans[e]))
+    ]
     assert [it.batch_id for it in items] == list(range(len(items)))
     assert f"epoch 0 fully queued ({len(plans[0])} batches)" in caplog.text
     for it, idx in zip(items, plans[0] + plans[1]):
@@ -76,7 +81,7 @@ def test_stream_contents_and_markers(caplog):
         assert b.input_ids.dtype == torch.long and b.loss_mask.dtype == torch.bool
         assert b.attention_mask.dtype == torch.long and b.input_ids.shape[1] % CFG.pad_multiple == 0
         assert b.num_real_tokens == int(ds.lengths[idx].sum()) == int(b.attention_mask.sum())
-        for r, i in enumerate(idx):   # naive reference: right padding with the pad id
+        for r, i in enumerate(idx):  # naive reference: right padding with the pad id
             n = len(ds.input_ids[i])
             assert b.input_ids[r, :n].tolist() == ds.input_ids[i].tolist()
             assert (b.input_ids[r, n:] == 7).all() and (b.attention_mask[r, n:] == 0).all()
@@ -93,11 +98,12 @@ def test_resume_matches_uninterrupted_stream():
     ds = make_dataset()
     _, full, _ = run_prefetcher(ds, epochs=3)
     n0 = len(plan_epoch(ds.lengths, CFG, 0))
-    for k in (5, n0, n0 + 3):             # mid-epoch, exactly at an epoch end, in epoch 1
+    for k in (5, n0, n0 + 3):  # mid-epoch, exactly at an epoch end, in epoch 1
         pf, head, _ = run_prefetcher(ds, epochs=3, stop_after=k)
         last = head[-1]
-        start = BatchPrefetcher.resume_position(last.epoch, last.seq_no,
-                                                pf.batches_in_epoch(last.epoch))
+        start = BatchPrefetcher.resume_position(
+            last.epoch, last.seq_no, pf.batches_in_epoch(last.epoch)
+        )
         _, tail, markers = run_prefetcher(ds, epochs=3, start=start)
         got = head + tail
         assert len(got) == len(full)
@@ -134,9 +140,9 @@ def test_failure_reported_as_value():
     pf.start()
     pf.join(timeout=10)
     assert not pf.is_alive() and len(got) == 1
-    assert isinstance(got[0], StageFailure) and got[0].stage == "prefetch"   # and no End
+    assert isinstance(got[0], StageFailure) and got[0].stage == "prefetch"  # and no End
     assert isinstance(got[0].exc, ValueError) and "Traceback" in got[0].tb
-    assert not any(isinstance(m, End) for m in q.drain())     # no End after a failure
+    assert not any(isinstance(m, End) for m in q.drain())  # no End after a failure
 
 
 def test_stop_while_blocked_exits_quietly():

@@ -32,11 +32,15 @@ def test_resolve_reads_only_finished_pairs_and_recycles(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _FakeEvent(clock))
     t = StepTimer("cpu", capacity=2)
     t.enabled = True
-    a = t.start(); clock[0] = 5.0; t.stop(a)
-    b = t.start(); clock[0] = 12.0; t.stop(b)
-    assert t.start() is None and t.dropped == 1       # pool exhausted: skip, never wait
+    a = t.start()
+    clock[0] = 5.0
+    t.stop(a)
+    b = t.start()
+    clock[0] = 12.0
+    t.stop(b)
+    assert t.start() is None and t.dropped == 1  # pool exhausted: skip, never wait
     t.resolve()
-    assert t.count == 0                               # nothing finished yet
+    assert t.count == 0  # nothing finished yet
     for e in a:
         e.done = True
     t.resolve()
@@ -45,7 +49,7 @@ def test_resolve_reads_only_finished_pairs_and_recycles(monkeypatch):
         e.done = True
     t.resolve()
     assert t.count == 2 and t.total_ms == pytest.approx(12.0)
-    assert t.start() is not None                      # recycled
+    assert t.start() is not None  # recycled
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -36,7 +36,7 @@ def test_push_drain_fifo_values():
 def test_bf16_and_requires_grad_values():
     ring = ScalarRing(["a", "b"], capacity=4)
     x = torch.tensor([1.5, -2.0], requires_grad=True)
-    ring.push(0, x * 2)                       # has a grad_fn: must be detached, not graphed
+    ring.push(0, x * 2)  # has a grad_fn: must be detached, not graphed
     ring.push(1, torch.tensor([0.25, 3.0], dtype=torch.bfloat16))
     out = ring.drain()
     assert out == [(0, {"a": 3.0, "b": -4.0}), (1, {"a": 0.25, "b": 3.0})]
@@ -50,7 +50,7 @@ def test_overflow_drops_oldest_and_counts():
     assert [s for s, _ in out] == [6, 7, 8, 9]
     assert [d["v"] for _, d in out] == [6.0, 7.0, 8.0, 9.0]
     assert ring.dropped == 6 and ring.pushed == 10
-    ring.push(10, torch.tensor([10.0]))       # ring keeps working after an overflow
+    ring.push(10, torch.tensor([10.0]))  # ring keeps working after an overflow
     assert ring.drain() == [(10, {"v": 10.0})]
 
 
@@ -131,10 +131,15 @@ class SyncCounter(TorchDispatchMode):
         if name in ("copy_", "_to_copy", "to"):
             tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
             devs = {t.device.type for t in tensors}
-            to_cpu = (name == "copy_" and args[0].device.type == "cpu") or \
-                     kwargs.get("device", None) == torch.device("cpu")
-            if devs - {"cpu"} and to_cpu and not kwargs.get("non_blocking", False) \
-                    and not (len(args) > 2 and args[2]):
+            to_cpu = (name == "copy_" and args[0].device.type == "cpu") or kwargs.get(
+                "device", None
+            ) == torch.device("cpu")
+            if (
+                devs - {"cpu"}
+                and to_cpu
+                and not kwargs.get("non_blocking", False)
+                and not (len(args) > 2 and args[2])
+            ):
                 self.syncs.append(f"d2h:{name}")
         return func(*args, **kwargs)
 
@@ -164,12 +169,13 @@ def test_push_and_monitor_tick_issue_no_sync():
 
     def worker():
         w = torch.nn.Linear(4, 1)
-        mode = SyncCounter()                 # dispatch modes are thread-local: enter in the worker
+        mode = SyncCounter()  # dispatch modes are thread-local: enter in the worker
         with mode:
             for step in range(20):
                 loss = w(torch.randn(8, 4)).pow(2).mean()
-                metrics = torch.stack([loss.detach(), loss.detach() * 0.5,
-                                       loss.detach() * 0.25, loss.detach() + 1])
+                metrics = torch.stack(
+                    [loss.detach(), loss.detach() * 0.5, loss.detach() * 0.25, loss.detach() + 1]
+                )
                 ring.push(step, metrics)
         worker_modes.append(mode)
 
@@ -178,20 +184,27 @@ def test_push_and_monitor_tick_issue_no_sync():
     t.join()
     mode = worker_modes[0]
     assert mode.syncs == []
-    assert "copy_" in mode.ops                # the mode did see the push's copy
+    assert "copy_" in mode.ops  # the mode did see the push's copy
 
     cfg = MetricsConfig(log_every_s=1.0, tick_s=0.1, wandb="off", tensorboard=False, console=False)
     q = BoundedQueue("features", 4)
     sink = _NullSink()
     clock = types.SimpleNamespace(t=0.0)
-    mon = Monitor(cfg, "unused", workers=[WorkerCounters("drafter0")], queues=[q],
-                  rings={"drafter0": ring}, sinks=sink, clock=lambda: clock.t)
+    mon = Monitor(
+        cfg,
+        "unused",
+        workers=[WorkerCounters("drafter0")],
+        queues=[q],
+        rings={"drafter0": ring},
+        sinks=sink,
+        clock=lambda: clock.t,
+    )
     main_mode = SyncCounter()
     with main_mode:
         clock.t = 0.5
         mon.tick()
         clock.t = 1.0
-        mon.tick()                            # logs
+        mon.tick()  # logs
     # The monitor reads the pinned buffer through numpy: not a single torch op, let alone a sync.
     assert main_mode.ops == []
     assert len(sink.logged) == 1 and sink.logged[0][0] == 19

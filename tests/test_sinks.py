@@ -14,16 +14,34 @@ import pytest
 from dflash_trainer.config import MetricsConfig
 from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.observe.monitor import Monitor
-from dflash_trainer.observe.sinks import (ConsoleSink, JsonlSink, MultiSink, Sink, TensorBoardSink,
-                                          WandbSink, build_sinks, redact)
+from dflash_trainer.observe.sinks import (
+    ConsoleSink,
+    JsonlSink,
+    MultiSink,
+    Sink,
+    TensorBoardSink,
+    WandbSink,
+    build_sinks,
+    redact,
+)
 
 
 def test_redact_nested():
-    cfg = {"target": {"hf_token": "t", "name": "m"}, "API_KEY": "k", "list": [{"password": "p"}],
-           "secret_path": "s", "keep": 1}
-    assert redact(cfg) == {"target": {"hf_token": "***", "name": "m"}, "API_KEY": "***",
-                           "list": [{"password": "***"}], "secret_path": "***", "keep": 1}
-    assert cfg["API_KEY"] == "k"                       # input untouched
+    cfg = {
+        "target": {"hf_token": "t", "name": "m"},
+        "API_KEY": "k",
+        "list": [{"password": "p"}],
+        "secret_path": "s",
+        "keep": 1,
+    }
+    assert redact(cfg) == {
+        "target": {"hf_token": "***", "name": "m"},
+        "API_KEY": "***",
+        "list": [{"password": "***"}],
+        "secret_path": "***",
+        "keep": 1,
+    }
+    assert cfg["API_KEY"] == "k"  # input untouched
 
 
 def test_jsonl_roundtrip_and_events(tmp_path):
@@ -34,10 +52,10 @@ def test_jsonl_roundtrip_and_events(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["kind"] == "metrics" and lines[0]["step"] == 3
     assert lines[0]["drafter/loss"] == 1.5
-    assert lines[0]["x"] != lines[0]["x"]               # NaN survives the round trip
+    assert lines[0]["x"] != lines[0]["x"]  # NaN survives the round trip
     assert lines[1] == {**lines[1], "kind": "event", "step": 4, "what": "eval"}
     s.close()
-    s2 = JsonlSink(tmp_path)                            # appends (resume)
+    s2 = JsonlSink(tmp_path)  # appends (resume)
     s2.log({"a": 1.0}, 5)
     s2.close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
@@ -59,7 +77,7 @@ def test_jsonl_write_error_reported_once_and_counted(tmp_path, caplog):
     s._f = _FullDisk()
     with caplog.at_level(logging.WARNING):
         for i in range(5):
-            s.log({"a": 1.0}, i)                        # never raises
+            s.log({"a": 1.0}, i)  # never raises
     assert s.errors == 5
     assert sum("No space left" in r.getMessage() for r in caplog.records) == 1
     s.close()
@@ -108,6 +126,7 @@ def test_tensorboard_sink_writes_events(tmp_path):
     files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert files and files[0].stat().st_size > 100
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("drafter/loss")] == [0, 1, 2]
@@ -115,7 +134,7 @@ def test_tensorboard_sink_writes_events(tmp_path):
 
 
 def test_tensorboard_missing_package_disables(tmp_path, monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)   # import -> ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import -> ImportError
     with caplog.at_level(logging.WARNING):
         s = TensorBoardSink(tmp_path)
         s.log({"a": 1.0}, 0)
@@ -127,12 +146,22 @@ def test_tensorboard_missing_package_disables(tmp_path, monkeypatch, caplog):
 def test_console_sink_line(caplog):
     s = ConsoleSink()
     with caplog.at_level(logging.INFO, logger="dflash_trainer.metrics"):
-        s.log({"drafter/loss": 1.23456, "drafter/accept_len": 3.5, "tput/target_tok_s": 12345.6,
-               "tput/drafter_tok_s": 6000.0, "queue/features/depth": 3.0,
-               "queue/work/depth": 0.0}, 42)
+        s.log(
+            {
+                "drafter/loss": 1.23456,
+                "drafter/accept_len": 3.5,
+                "tput/target_tok_s": 12345.6,
+                "tput/drafter_tok_s": 6000.0,
+                "queue/features/depth": 3.0,
+                "queue/work/depth": 0.0,
+            },
+            42,
+        )
     msg = caplog.records[-1].getMessage()
-    assert msg == ("step 42 | loss 1.2346 | accept_len 3.50 | target 12346 tok/s | drafter 6000 "
-                   "tok/s | queues features=3 work=0")
+    assert msg == (
+        "step 42 | loss 1.2346 | accept_len 3.50 | target 12346 tok/s | drafter 6000 "
+        "tok/s | queues features=3 work=0"
+    )
 
 
 @pytest.fixture
@@ -163,8 +192,11 @@ def test_fake_run_offline_wandb_no_secrets(offline_wandb_env):
     """A fake run through Monitor + build_sinks (jsonl, TensorBoard, W&B offline, console): the
     W&B offline run dir is produced quickly, and no secret appears anywhere in the run dir."""
     run_dir = offline_wandb_env / "run"
-    config = {"run_dir": str(run_dir), "target": {"model": "m", "hf_token": "hf_tok_XYZ789"},
-              "metrics": {"wandb": "offline", "wandb_api_key": "secret123"}}
+    config = {
+        "run_dir": str(run_dir),
+        "target": {"model": "m", "hf_token": "hf_tok_XYZ789"},
+        "metrics": {"wandb": "offline", "wandb_api_key": "secret123"},
+    }
     cfg = MetricsConfig(log_every_s=1.0, wandb="offline", tensorboard=True, console=True)
     t0 = time.perf_counter()
     w = WorkerCounters("drafter0")
@@ -175,10 +207,10 @@ def test_fake_run_offline_wandb_no_secrets(offline_wandb_env):
     mon.log_event({"eval/accept_len": 3.0, "kind_of": "eval"}, step=30)
     mon.close(now=mon._t_start + 4)
     elapsed = time.perf_counter() - t0
-    assert elapsed < 30, elapsed                          # ~3-5 s on this machine
+    assert elapsed < 30, elapsed  # ~3-5 s on this machine
     runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 500
-    assert b"drafter0" in runs[0].read_bytes()            # the metrics reached the W&B log
+    assert b"drafter0" in runs[0].read_bytes()  # the metrics reached the W&B log
     assert (run_dir / "metrics.jsonl").stat().st_size > 0
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert _grep_tree(offline_wandb_env, ["secret123", "hf_tok_XYZ789"]) == []
@@ -236,7 +268,7 @@ def test_wandb_online_falls_back_and_finish_times_out(tmp_path, monkeypatch):
     s.log({"a": 1.0}, 12)
     assert fake.run.logged == [{"a": 1.0, "train/step": 12}]
     t0 = time.perf_counter()
-    s.close()                                            # finish hangs 5 s: we wait 0.2 s
+    s.close()  # finish hangs 5 s: we wait 0.2 s
     assert time.perf_counter() - t0 < 2.0
 
 

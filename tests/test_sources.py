@@ -6,8 +6,13 @@ from dflash_trainer.data.sources import load_sources, parse_source_spec, read_so
 from dflash_trainer.errors import DataError, UserError
 
 OPENAI = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-SHAREGPT = {"conversations": [{"from": "system", "value": "be nice"},
-                              {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "be nice"},
+        {"from": "human", "value": "q"},
+        {"from": "gpt", "value": "a"},
+    ]
+}
 
 
 def write_jsonl(path, records):
@@ -19,9 +24,11 @@ def test_jsonl_both_shapes_and_ids(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [OPENAI, {**SHAREGPT, "id": "abc"}])
     convs, rep = load_sources([str(p)])
     assert [c.id for c in convs] == ["d:1", "abc"]
-    assert convs[1].messages == [{"role": "system", "content": "be nice"},
-                                 {"role": "user", "content": "q"},
-                                 {"role": "assistant", "content": "a"}]
+    assert convs[1].messages == [
+        {"role": "system", "content": "be nice"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
     assert convs[0].source == str(p)
     assert rep.sources[0].read == 2 and rep.sources[0].kept == 2
 
@@ -37,8 +44,11 @@ def test_parquet_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{**OPENAI, "id": None}, {"messages": [{"role": "user", "content": "x"}], "id": None},
-            {**OPENAI, "id": "z"}]
+    rows = [
+        {**OPENAI, "id": None},
+        {"messages": [{"role": "user", "content": "x"}], "id": None},
+        {**OPENAI, "id": "z"},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
     convs, rep = load_sources([str(tmp_path / "p.parquet")])
     assert [c.id for c in convs] == ["p:0", "z"]
@@ -64,23 +74,33 @@ def test_hf_save_to_disk(tmp_path):
     assert convs[0].messages[-1] == {"role": "assistant", "content": "a"}
 
 
-@pytest.mark.parametrize("record, field, line", [
-    ("{not json", "<json>", 2),
-    ({"text": "hi"}, "messages", 2),
-    ({"messages": "hi"}, "messages", 2),
-    ({"messages": [{"content": "x"}]}, r"messages\[0\]\.role", 2),
-    ({"messages": [{"role": "bot", "content": "x"}]}, r"messages\[0\]\.role", 2),
-    ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\]\.content", 2),
-    ({"messages": [{"role": "user"}]}, r"messages\[0\]\.content", 2),
-    ({"conversations": [{"from": "robot", "value": "x"}]}, r"conversations\[0\]\.from", 2),
-    ({"conversations": [{"from": "gpt", "value": ["x"]}]}, r"conversations\[0\]\.value\[0\]", 2),
-    ({**OPENAI, "id": [1]}, "id", 2),
-    ([1, 2], "<record>", 2),
-])
+@pytest.mark.parametrize(
+    "record, field, line",
+    [
+        ("{not json", "<json>", 2),
+        ({"text": "hi"}, "messages", 2),
+        ({"messages": "hi"}, "messages", 2),
+        ({"messages": [{"content": "x"}]}, r"messages\[0\]\.role", 2),
+        ({"messages": [{"role": "bot", "content": "x"}]}, r"messages\[0\]\.role", 2),
+        ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\]\.content", 2),
+        ({"messages": [{"role": "user"}]}, r"messages\[0\]\.content", 2),
+        ({"conversations": [{"from": "robot", "value": "x"}]}, r"conversations\[0\]\.from", 2),
+        (
+            {"conversations": [{"from": "gpt", "value": ["x"]}]},
+            r"conversations\[0\]\.value\[0\]",
+            2,
+        ),
+        ({**OPENAI, "id": [1]}, "id", 2),
+        ([1, 2], "<record>", 2),
+    ],
+)
 def test_bad_record_names_file_line_field(tmp_path, record, field, line):
     p = write_jsonl(tmp_path / "bad.jsonl", [OPENAI, record, OPENAI])
-    with pytest.raises(DataError, match=rf"bad\.jsonl: line {line}: field '{field}'.*"
-                                        r"data\.on_bad_record=skip"):
+    with pytest.raises(
+        DataError,
+        match=rf"bad\.jsonl: line {line}: field '{field}'.*"
+        r"data\.on_bad_record=skip",
+    ):
         load_sources([str(p)])
     convs, rep = load_sources([str(p)], on_bad_record="skip")
     assert len(convs) == 2 and rep.sources[0].bad == 1 and rep.sources[0].read == 3
@@ -126,8 +146,12 @@ def test_empty_and_missing_and_roots(tmp_path):
 
 
 def test_empty_and_responseless_dropped_and_counted(tmp_path):
-    recs = [OPENAI, {"messages": []}, {"messages": [{"role": "user", "content": "q"}]},
-            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}]
+    recs = [
+        OPENAI,
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "q"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]},
+    ]
     convs, rep = load_sources([str(write_jsonl(tmp_path / "d.jsonl", recs))])
     assert len(convs) == 1
     assert rep.sources[0].dropped_empty == 3 and rep.total("read") == 4
@@ -155,8 +179,17 @@ def test_huge_line_streams(tmp_path):
     p = tmp_path / "big.jsonl"
     big = "x" * (100 << 20)
     with open(p, "w") as f:
-        f.write(json.dumps({"messages": [{"role": "user", "content": "q"},
-                                         {"role": "assistant", "content": big}]}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "q"},
+                        {"role": "assistant", "content": big},
+                    ]
+                }
+            )
+            + "\n"
+        )
         f.write(json.dumps(OPENAI) + "\n")
     del big
     tracemalloc.start()

@@ -13,8 +13,15 @@ from torch import nn
 
 from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.eval.metrics import position_acceptance, summarize
-from dflash_trainer.eval.specdecode import (GenResult, TargetSide, ar_generate, choose_tokens,
-                                            evaluate, quick_acceptance, spec_generate)
+from dflash_trainer.eval.specdecode import (
+    GenResult,
+    TargetSide,
+    ar_generate,
+    choose_tokens,
+    evaluate,
+    quick_acceptance,
+    spec_generate,
+)
 
 V, H = 128, 64
 LAYER_IDS = [0, 2]
@@ -27,11 +34,21 @@ def tiny_target(kind: str = "llama", seed: int = 0, layers: int = 4) -> nn.Modul
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=512, tie_word_embeddings=False,
-                  initializer_range=0.3,  # peaked logits: no near-ties between batched/AR argmax
-                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    common = dict(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.3,  # peaked logits: no near-ties between batched/AR argmax
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     if kind == "llama":
         m = LlamaForCausalLM(LlamaConfig(**common))
     else:
@@ -54,7 +71,7 @@ class TokenHead(nn.Module):
     """A test 'lm_head' that decodes round(hidden[..., 0]) as the token id."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return -(torch.arange(V, dtype=h.dtype) - h[..., :1]) ** 2
+        return -((torch.arange(V, dtype=h.dtype) - h[..., :1]) ** 2)
 
 
 class StubCache:
@@ -67,12 +84,21 @@ class OracleDrafter:
     probability `p_wrong` (then it drafts true+1 mod V). Also checks that the loop hands it exactly
     the target features of the committed positions, in order, once each."""
 
-    def __init__(self, continuation, prompt_len, block_size, mask_id=V - 1, p_wrong=0.0,
-                 ref_feats=None, seed=0):
+    def __init__(
+        self,
+        continuation,
+        prompt_len,
+        block_size,
+        mask_id=V - 1,
+        p_wrong=0.0,
+        ref_feats=None,
+        seed=0,
+    ):
         self.cont, self.P = list(continuation), prompt_len
         self.p_wrong, self.ref = p_wrong, ref_feats
-        self.config = SimpleNamespace(block_size=block_size, mask_token_id=mask_id,
-                                      target_layer_ids=list(LAYER_IDS))
+        self.config = SimpleNamespace(
+            block_size=block_size, mask_token_id=mask_id, target_layer_ids=list(LAYER_IDS)
+        )
         self.rng = random.Random(seed)
         self.calls = []
 
@@ -82,8 +108,9 @@ class OracleDrafter:
     def forward_infer(self, block_embeds, new_features, cache, start):
         c = new_features.shape[1]
         if self.ref is not None:
-            torch.testing.assert_close(new_features, self.ref[:, cache.length:cache.length + c],
-                                       atol=1e-3, rtol=1e-3)  # values ~50
+            torch.testing.assert_close(
+                new_features, self.ref[:, cache.length : cache.length + c], atol=1e-3, rtol=1e-3
+            )  # values ~50
         cache.length += c
         assert cache.length == start
         q = block_embeds.shape[1]
@@ -100,8 +127,9 @@ class OracleDrafter:
 
 def run_spec(model, drafter, ids, n, bs, lm_head=None, **kw) -> GenResult:
     t = side(model)
-    return spec_generate(model, t.layer_ids, t.embed_weight, lm_head or TokenHead(), drafter, ids,
-                         n, bs, **kw)
+    return spec_generate(
+        model, t.layer_ids, t.embed_weight, lm_head or TokenHead(), drafter, ids, n, bs, **kw
+    )
 
 
 def random_prompt(g: torch.Generator, lo=3, hi=20) -> torch.Tensor:
@@ -110,6 +138,7 @@ def random_prompt(g: torch.Generator, lo=3, hi=20) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- sampler
+
 
 def test_position_noise_is_keyed_and_samples_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
@@ -144,6 +173,7 @@ def test_hash_never_overflows_int64():
 
 # ---------------------------------------------------------------------------------- lossless
 
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_greedy_spec_equals_ar_and_hf_generate(kind):
     model = tiny_target(kind)
@@ -154,13 +184,19 @@ def test_greedy_spec_equals_ar_and_hf_generate(kind):
         ar = ar_generate(model, ids, n)
         with torch.no_grad():
             hf = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
-        assert ar.tokens == hf[0, ids.shape[1]:].tolist()
+        assert ar.tokens == hf[0, ids.shape[1] :].tolist()
         assert ar.acceptance_lengths == [1] * (n - 1)
         ref = full_taps(model, torch.cat([ids, torch.tensor([ar.tokens])], 1))
         for bs in (2, 4, 8, 16):
             for p_wrong in (0.0, 0.3, 1.0):
-                dr = OracleDrafter(ar.tokens, ids.shape[1], 16, p_wrong=p_wrong, ref_feats=ref,
-                                   seed=trial * 100 + bs)
+                dr = OracleDrafter(
+                    ar.tokens,
+                    ids.shape[1],
+                    16,
+                    p_wrong=p_wrong,
+                    ref_feats=ref,
+                    seed=trial * 100 + bs,
+                )
                 res = run_spec(model, dr, ids, n, bs)
                 assert res.tokens == ar.tokens, (kind, trial, bs, p_wrong)
                 assert sum(res.acceptance_lengths) == n - 1
@@ -184,12 +220,19 @@ def test_random_stub_drafter_lossless_with_real_lm_head():
         ids = random_prompt(g)
         ar = ar_generate(model, ids, 20)
         for bs in (2, 4, 8, 16):
-            res = run_spec(model, RandomDrafter([], ids.shape[1], 16), ids, 20, bs,
-                           lm_head=model.get_output_embeddings())
+            res = run_spec(
+                model,
+                RandomDrafter([], ids.shape[1], 16),
+                ids,
+                20,
+                bs,
+                lm_head=model.get_output_embeddings(),
+            )
             assert res.tokens == ar.tokens
 
 
 # ------------------------------------------------------------------- acceptance bookkeeping
+
 
 @pytest.mark.parametrize("bs,n", [(4, 24), (8, 24), (16, 40), (16, 17), (2, 2)])
 def test_always_agree_gives_tau_block_size(bs, n):
@@ -225,8 +268,9 @@ def test_stop_id_truncates_by_position_and_mask_id_tokens_survive():
     cut = ar.tokens.index(stop) + 1
     # the MASK id equals a token the target really emits: it must stay in the output (pitfall 14)
     mask = ar.tokens[3]
-    res = run_spec(model, OracleDrafter(ar.tokens, 4, 16, mask_id=mask), ids, 30, 8,
-                   stop_ids=[stop])
+    res = run_spec(
+        model, OracleDrafter(ar.tokens, 4, 16, mask_id=mask), ids, 30, 8, stop_ids=[stop]
+    )
     assert res.stopped and res.tokens == ar.tokens[:cut]
     assert sum(res.acceptance_lengths) == cut - 1
     ar_stop = ar_generate(model, ids, 30, stop_ids=[stop])
@@ -250,27 +294,48 @@ def test_edge_limits():
 
 # ------------------------------------------------------------------------------ sampling
 
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_sampling_every_token_is_the_targets_sample(kind):
     model = tiny_target(kind, seed=2)
     g = torch.Generator().manual_seed(3)
     for trial in range(4):
         ids = random_prompt(g)
-        ar = ar_generate(model, ids, 24, temperature=0.9, top_p=0.95,
-                         generator=torch.Generator().manual_seed(trial))
+        ar = ar_generate(
+            model,
+            ids,
+            24,
+            temperature=0.9,
+            top_p=0.95,
+            generator=torch.Generator().manual_seed(trial),
+        )
         greedy = ar_generate(model, ids, 24)
         assert ar.tokens != greedy.tokens  # really sampling
         for bs, p_wrong in ((4, 0.0), (8, 0.3), (16, 1.0)):
             dr = OracleDrafter(ar.tokens, ids.shape[1], 16, p_wrong=p_wrong)
-            res = run_spec(model, dr, ids, 24, bs, temperature=0.9, top_p=0.95,
-                           generator=torch.Generator().manual_seed(trial))
+            res = run_spec(
+                model,
+                dr,
+                ids,
+                24,
+                bs,
+                temperature=0.9,
+                top_p=0.95,
+                generator=torch.Generator().manual_seed(trial),
+            )
             assert res.tokens == ar.tokens
             assert res.tau >= 1.0
             if p_wrong == 0.0:
                 assert res.acceptance_lengths[0] == bs
         # a different seed gives a different sample
-        other = ar_generate(model, ids, 24, temperature=0.9, top_p=0.95,
-                            generator=torch.Generator().manual_seed(trial + 50))
+        other = ar_generate(
+            model,
+            ids,
+            24,
+            temperature=0.9,
+            top_p=0.95,
+            generator=torch.Generator().manual_seed(trial + 50),
+        )
         assert other.tokens != ar.tokens
 
 
@@ -286,23 +351,32 @@ def test_sampling_matches_naive_no_cache_loop():
             logits = model(seq).logits[0, -1:]
         tok = choose_tokens(logits, [seq.shape[1]], 0.8, 0.9, seed)
         seq = torch.cat([seq, tok.view(1, 1)], 1)
-    want = seq[0, ids.shape[1]:].tolist()
+    want = seq[0, ids.shape[1] :].tolist()
     ar = ar_generate(model, ids, 12, 0.8, 0.9, generator=torch.Generator().manual_seed(4))
     assert ar.tokens == want
     dr = OracleDrafter(want, ids.shape[1], 16, p_wrong=0.3)
-    res = run_spec(model, dr, ids, 12, 4, temperature=0.8, top_p=0.9,
-                   generator=torch.Generator().manual_seed(4))
+    res = run_spec(
+        model,
+        dr,
+        ids,
+        12,
+        4,
+        temperature=0.8,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(4),
+    )
     assert res.tokens == want
 
 
 def test_sampled_tokens_lie_in_top_p_support():
     model = tiny_target("llama", seed=4)
     ids = torch.tensor([[3, 4, 5, 6]])
-    res = ar_generate(model, ids, 16, temperature=1.5, top_p=0.5,
-                      generator=torch.Generator().manual_seed(0))
+    res = ar_generate(
+        model, ids, 16, temperature=1.5, top_p=0.5, generator=torch.Generator().manual_seed(0)
+    )
     seq = torch.cat([ids, torch.tensor([res.tokens])], 1)
     with torch.no_grad():
-        logits = model(seq).logits[0, ids.shape[1] - 1:-1] / 1.5
+        logits = model(seq).logits[0, ids.shape[1] - 1 : -1] / 1.5
     probs = torch.softmax(logits, -1)
     for row, tok in zip(probs, res.tokens):
         sp, order = row.sort(descending=True)
@@ -312,18 +386,30 @@ def test_sampled_tokens_lie_in_top_p_support():
 
 # -------------------------------------------------------------------------------- metrics
 
+
 def test_summarize_conventions():
     def r(lengths, accepted, sizes, toks, t):
-        return GenResult(tokens=toks, acceptance_lengths=lengths, accepted_drafts=accepted,
-                         block_sizes=sizes, decode_time=t)
+        return GenResult(
+            tokens=toks,
+            acceptance_lengths=lengths,
+            accepted_drafts=accepted,
+            block_sizes=sizes,
+            decode_time=t,
+        )
 
     a = r([4, 1, 2], [3, 0, 1], [4, 4, 4], [1] * 8, 0.8)
-    b = r([3], [3], [4], [1] * 4, 0.2)              # last cycle clipped: a=3 but 3 committed
-    empty = r([], [], [], [1], 0.01)                  # stopped at the prefill token
-    s = summarize([a, b, empty], [r([1] * 7, [0] * 7, [1] * 7, [1] * 8, 1.6),
-                                  r([1] * 3, [0] * 3, [1] * 3, [2] * 4, 0.8),
-                                  r([], [], [], [1], 0.02)], 4)
-    assert s.tau == pytest.approx((7 / 3 + 3) / 2)           # per response, then mean
+    b = r([3], [3], [4], [1] * 4, 0.2)  # last cycle clipped: a=3 but 3 committed
+    empty = r([], [], [], [1], 0.01)  # stopped at the prefill token
+    s = summarize(
+        [a, b, empty],
+        [
+            r([1] * 7, [0] * 7, [1] * 7, [1] * 8, 1.6),
+            r([1] * 3, [0] * 3, [1] * 3, [2] * 4, 0.8),
+            r([], [], [], [1], 0.02),
+        ],
+        4,
+    )
+    assert s.tau == pytest.approx((7 / 3 + 3) / 2)  # per response, then mean
     assert s.tau_token_weighted == pytest.approx(10 / 4)
     assert s.histogram == [0.25, 0.25, 0.25, 0.25]
     assert s.position_acceptance == pytest.approx([3 / 4, 2 / 4, 2 / 4])
@@ -349,7 +435,7 @@ def test_evaluate_and_quick_acceptance():
     t.lm_head = TokenHead()
     s = evaluate(t, Multi([], 0, 16), prompts, 12, 4)
     assert s.num_responses == 2 and s.lossless is True
-    assert s.tau == pytest.approx(11 / 3)    # [4, 4, 3] per prompt
+    assert s.tau == pytest.approx(11 / 3)  # [4, 4, 3] per prompt
     assert s.speedup is not None and s.speedup > 0 and s.ar_tpot > 0
     q = quick_acceptance(t, Multi([], 0, 16), prompts, 12, 4)
     assert q["tau"] == pytest.approx(11 / 3) and q["num_prompts"] == 2
@@ -357,13 +443,26 @@ def test_evaluate_and_quick_acceptance():
 
 # ------------------------------------------------------------------------ the real drafter
 
+
 def _real_drafter(model, block_size=8, mask_id=V - 1, seed=0):
     drafter_mod = pytest.importorskip("dflash_trainer.models.drafter")
     cfg = drafter_mod.DFlashConfig(
-        hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=96, block_size=block_size, target_layer_ids=list(LAYER_IDS),
-        num_target_layers=model.config.num_hidden_layers, mask_token_id=mask_id, vocab_size=V,
-        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512, init_std=0.2)
+        hidden_size=H,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        block_size=block_size,
+        target_layer_ids=list(LAYER_IDS),
+        num_target_layers=model.config.num_hidden_layers,
+        mask_token_id=mask_id,
+        vocab_size=V,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        init_std=0.2,
+    )
     torch.manual_seed(seed)
     return drafter_mod.DFlashDrafter(cfg).eval()
 
@@ -378,8 +477,7 @@ def test_real_drafter_random_init_lossless(kind):
         ids = random_prompt(g)
         ar = ar_generate(model, ids, 24)
         for bs in (2, 4, 8, 16):
-            res = spec_generate(model, t.layer_ids, t.embed_weight, t.lm_head, drafter, ids, 24,
-                                bs)
+            res = spec_generate(model, t.layer_ids, t.embed_weight, t.lm_head, drafter, ids, 24, bs)
             assert res.tokens == ar.tokens
             assert 1.0 <= res.tau <= bs
 
@@ -403,12 +501,11 @@ def _trained_drafter(model, prompts, block_size=8, steps=400):
         blk = torch.full((1, block_size), V - 1)
         blk[0, 0] = s[0, p]
         h = drafter.forward_infer(F.embedding(blk, emb), f[:, :p], drafter.new_cache(), p)
-        loss = F.cross_entropy(head(h[0, 1:]), s[0, p + 1:p + block_size])
+        loss = F.cross_entropy(head(h[0, 1:]), s[0, p + 1 : p + block_size])
         opt.zero_grad()
         loss.backward()
         opt.step()
     return drafter.eval()
-
 
 
 @pytest.mark.parametrize("attention", ["split", "dense"])
@@ -429,15 +526,14 @@ def test_training_objective_and_inference_agree(attention):
         ids = random_prompt(g, 6, 12)
         s = torch.cat([ids, torch.tensor([ar_generate(model, ids, 32).tokens])], 1)
         mask = torch.zeros_like(s, dtype=torch.bool)
-        mask[:, ids.shape[1]:] = True                       # the continuation is supervised
+        mask[:, ids.shape[1] :] = True  # the continuation is supervised
         data.append((ids, s, mask, full_taps(model, s)))
     drafter = _real_drafter(model, block_size=bs, seed=2).train()
     obj = DFlashObjective(bs, num_anchors=12, mask_token_id=V - 1, attention=attention)
     emb = model.get_input_embeddings().weight.detach()
     head = model.get_output_embeddings().requires_grad_(False)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    untrained = [run_spec(model, drafter.eval(), ids, 24, bs, lm_head=head).tau
-                 for ids, *_ in data]
+    untrained = [run_spec(model, drafter.eval(), ids, 24, bs, lm_head=head).tau for ids, *_ in data]
     drafter.train()
     for step in range(300):
         _, s, mask, feats = data[step % len(data)]
@@ -469,27 +565,45 @@ def test_matches_reference_dflash_generate(kind, tmp_path, monkeypatch):
     prompts = [random_prompt(g) for _ in range(4)]
     drafter = _trained_drafter(model, prompts)
     ref_model = ref.DFlashDraftModel.from_pretrained(
-        str(export.export_drafter(drafter, tmp_path / "export")), dtype=torch.float32).eval()
+        str(export.export_drafter(drafter, tmp_path / "export")), dtype=torch.float32
+    ).eval()
     t = side(model)
     ours_all, ref_all = [], []
     for i, ids in enumerate(prompts):
         for bs in (4, 8):
             stop = [int(torch.randint(1, V, (1,), generator=g))] if i % 2 else None
-            r = ref.dflash_generate(ref_model, model, ids, 20, stop, block_size=bs,
-                                    return_stats=True)
-            ours = spec_generate(model, t.layer_ids, t.embed_weight, t.lm_head, drafter, ids, 20,
-                                 bs, stop_ids=stop or ())
-            assert ours.tokens == r.output_ids[0, ids.shape[1]:].tolist()
+            r = ref.dflash_generate(
+                ref_model, model, ids, 20, stop, block_size=bs, return_stats=True
+            )
+            ours = spec_generate(
+                model,
+                t.layer_ids,
+                t.embed_weight,
+                t.lm_head,
+                drafter,
+                ids,
+                20,
+                bs,
+                stop_ids=stop or (),
+            )
+            assert ours.tokens == r.output_ids[0, ids.shape[1] :].tolist()
             assert ours.acceptance_lengths == [int(x) for x in r.acceptance_lengths]
             ours_all.append(ours)
-            ref_all.append(GenResult(tokens=[], accepted_drafts=[], block_sizes=[],
-                                     acceptance_lengths=[int(x) for x in r.acceptance_lengths]))
+            ref_all.append(
+                GenResult(
+                    tokens=[],
+                    accepted_drafts=[],
+                    block_sizes=[],
+                    acceptance_lengths=[int(x) for x in r.acceptance_lengths],
+                )
+            )
     ours_tau, ref_tau = summarize(ours_all, None, 8).tau, summarize(ref_all, None, 8).tau
     assert ours_tau == pytest.approx(ref_tau, rel=0.02)
     assert ours_tau > 1.2  # the comparison covered real acceptances, not only rejections
 
 
 # ------------------------------------------------------------------------------ eval command
+
 
 class FakeTokenizer:
     """Chat template + char-level ids; enough for the eval command's plumbing."""
@@ -514,18 +628,22 @@ def test_load_prompt_file_errors(tmp_path):
     from dflash_trainer.errors import UserError
 
     f = tmp_path / "p.jsonl"
-    f.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
-                 '{"conversations": [{"from": "human", "value": "yo"}]}\n'
-                 '\n{"id": "c", "messages": [{"role": "robot", "content": "hi"}]}\n')
+    f.write_text(
+        '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+        '{"conversations": [{"from": "human", "value": "yo"}]}\n'
+        '\n{"id": "c", "messages": [{"role": "robot", "content": "hi"}]}\n'
+    )
     with pytest.raises(UserError, match=r"p\.jsonl:4: expected"):
         sd.load_prompt_file(f)
     f.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{bad\n')
     with pytest.raises(UserError, match=r"p\.jsonl:2: invalid JSON"):
         sd.load_prompt_file(f)
-    f.write_text('{"conversations": [{"from": "human", "value": "yo"}, '
-                 '{"from": "gpt", "value": "x"}]}\n')
-    assert sd.load_prompt_file(f) == [("p.jsonl:1", [{"role": "user", "content": "yo"},
-                                                      {"role": "assistant", "content": "x"}])]
+    f.write_text(
+        '{"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "x"}]}\n'
+    )
+    assert sd.load_prompt_file(f) == [
+        ("p.jsonl:1", [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "x"}])
+    ]
     with pytest.raises(UserError, match="does not exist"):
         sd.load_prompt_file(tmp_path / "missing.jsonl")
 
@@ -542,26 +660,45 @@ def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d: tm))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
-        json.dumps({"id": "x", "messages": [{"role": "system", "content": "be brief"},
-                                            {"role": "user", "content": "hello"},
-                                            {"role": "assistant", "content": "old answer"},
-                                            {"role": "user", "content": "more"}]}) + "\n"
-        + json.dumps({"id": "y", "messages": [{"role": "user", "content": "write code"}]}) + "\n")
-    cfg = load_config(None, None, [f"--run_dir={tmp_path / 'run'}", "--eval.max_new_tokens=12",
-                                   "--eval.block_size=4", f"--eval.heldout_path={prompts}"])
+        json.dumps(
+            {
+                "id": "x",
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hello"},
+                    {"role": "assistant", "content": "old answer"},
+                    {"role": "user", "content": "more"},
+                ],
+            }
+        )
+        + "\n"
+        + json.dumps({"id": "y", "messages": [{"role": "user", "content": "write code"}]})
+        + "\n"
+    )
+    cfg = load_config(
+        None,
+        None,
+        [
+            f"--run_dir={tmp_path / 'run'}",
+            "--eval.max_new_tokens=12",
+            "--eval.block_size=4",
+            f"--eval.heldout_path={prompts}",
+        ],
+    )
     cfg.eval.datasets = ["heldout", str(prompts)]
     args = SimpleNamespace(drafter_path=None, output=None)
     assert sd.eval_command(cfg, args) == 0
     out = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert set(out["datasets"]) == {"heldout", str(prompts)}
     d = out["datasets"]["heldout"]
-    assert d["num_responses"] == 3          # two user turns + one
+    assert d["num_responses"] == 3  # two user turns + one
     assert d["block_size"] == 4 and d["lossless"] is True and d["speedup"] > 0
     assert 1.0 <= d["tau"] <= 4.0 and len(d["position_acceptance"]) == 3
     assert "heldout" in capsys.readouterr().out
     # a drafter for other taps is refused with a fix
     from dflash_trainer.errors import UserError
-    tm.close()                              # the same model, loaded with other taps
+
+    tm.close()  # the same model, loaded with other taps
     other = target_mod.TargetModel.from_hf(model, FakeTokenizer(), [1, 3])
     monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d: other))
     with pytest.raises(UserError, match="target layers"):
@@ -583,7 +720,9 @@ def test_smollm2_fp32_random_drafter_lossless():
         pytest.skip(f"embedded target unavailable: {e}")
     torch.manual_seed(0)
     drafter = drafter_mod.DFlashDrafter(drafter_mod.DFlashConfig.from_configs(cfg.drafter, t))
-    prompts = [sd._chat_ids(t.tokenizer, [{"role": "user", "content": q}], False)
-               for q in ("Name three colours.", "Write a haiku about rain.")]
+    prompts = [
+        sd._chat_ids(t.tokenizer, [{"role": "user", "content": q}], False)
+        for q in ("Name three colours.", "Write a haiku about rain.")
+    ]
     s = evaluate(t, drafter, prompts, 16, 8, warmup=False)
     assert s.lossless is True and s.num_responses == 2 and 1.0 <= s.tau <= 8.0

@@ -1,4 +1,5 @@
-"""Target adapter: the layer rule, hook features == output_hidden_states, early stop, cached forward."""
+"""Target adapter: the layer rule, hook features == output_hidden_states, early stop, cached
+forward."""
 
 import importlib.util
 import time
@@ -21,12 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------------------------- the layer rule
 
+
 def test_tap_layer_ids_examples():
-    assert tap_layer_ids(30, 5) == [1, 8, 14, 20, 27]      # SmolLM2-135M
-    assert tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]      # Qwen3-8B (method §1.2)
+    assert tap_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2-135M
+    assert tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B (method §1.2)
     assert tap_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert tap_layer_ids(30, 1) == [15]
-    assert tap_layer_ids(7, 4) == [1, 2, 3, 4]              # smallest L for 4 distinct taps
+    assert tap_layer_ids(7, 4) == [1, 2, 3, 4]  # smallest L for 4 distinct taps
 
 
 def test_tap_layer_ids_match_reference_package():
@@ -40,14 +42,15 @@ def test_tap_layer_ids_rejects_too_many_taps():
     with pytest.raises(UserError, match=r"num_taps=5 is too many for a target with 6 layers"):
         tap_layer_ids(6, 5)
     with pytest.raises(UserError):
-        tap_layer_ids(4, 2)                                 # rule gives [1, 1]
+        tap_layer_ids(4, 2)  # rule gives [1, 1]
 
 
 def test_validate_taps_messages():
     with pytest.raises(UserError) as e:
         validate_taps([1, 40], 30)
-    assert str(e.value) == ("target.taps: layer 40 does not exist; the target has 30 layers "
-                            "(0..29).")
+    assert str(e.value) == (
+        "target.taps: layer 40 does not exist; the target has 30 layers (0..29)."
+    )
     with pytest.raises(UserError, match="layer -1 does not exist"):
         validate_taps([-1, 3], 30)
     with pytest.raises(UserError, match="strictly increasing"):
@@ -57,19 +60,35 @@ def test_validate_taps_messages():
 
 # ---------------------------------------------------------------------------------- tiny models
 
+
 def tiny_llama(layers=4):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 def tiny_qwen3(layers=4):
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=128, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
@@ -77,8 +96,8 @@ def _padded_batch(B=3, S=12, vocab=128):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (B, S), generator=g)
     mask = torch.ones(B, S, dtype=torch.long)
-    mask[1, :4] = 0            # left padded row
-    mask[2, -5:] = 0           # right padded row
+    mask[1, :4] = 0  # left padded row
+    mask[2, -5:] = 0  # right padded row
     return ids, mask
 
 
@@ -94,15 +113,22 @@ def _count_layer_calls(model):
     handles = []
     for i, layer in enumerate(model.model.layers):
         calls[i] = 0
-        handles.append(layer.register_forward_pre_hook(
-            lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1)))
+        handles.append(
+            layer.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+        )
     for name in ("norm",):
         calls[name] = 0
-        handles.append(getattr(model.model, name).register_forward_pre_hook(
-            lambda m, a, n=name: calls.__setitem__(n, calls[n] + 1)))
+        handles.append(
+            getattr(model.model, name).register_forward_pre_hook(
+                lambda m, a, n=name: calls.__setitem__(n, calls[n] + 1)
+            )
+        )
     calls["lm_head"] = 0
-    handles.append(model.lm_head.register_forward_pre_hook(
-        lambda m, a: calls.__setitem__("lm_head", calls["lm_head"] + 1)))
+    handles.append(
+        model.lm_head.register_forward_pre_hook(
+            lambda m, a: calls.__setitem__("lm_head", calls["lm_head"] + 1)
+        )
+    )
     return calls, handles
 
 
@@ -117,8 +143,9 @@ def test_features_equal_output_hidden_states(build, layer_ids):
     assert not feats.requires_grad
     assert_close(feats, _reference_features(model, ids, mask, layer_ids), atol=0, rtol=0)
     # no mask at all
-    assert_close(target.features(ids), _reference_features(model, ids, None, layer_ids),
-                 atol=0, rtol=0)
+    assert_close(
+        target.features(ids), _reference_features(model, ids, None, layer_ids), atol=0, rtol=0
+    )
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
@@ -158,7 +185,7 @@ def test_attributes_and_frozen():
     assert target.lm_head is model.lm_head
     assert target.dtype == torch.float32 and target.device.type == "cpu"
     x = torch.randn(2, 64)
-    assert_close(target.lm_head(x), x @ target.embed_weight.T)   # tied
+    assert_close(target.lm_head(x), x @ target.embed_weight.T)  # tied
     with pytest.raises(UserError, match="layer 4 does not exist; the target has 4 layers"):
         TargetModel.from_hf(model, None, [1, 4])
 
@@ -172,8 +199,7 @@ def test_tapped_forward_full_and_incremental(build):
     assert cache is None
     with torch.no_grad():
         ref = model(input_ids=ids, output_hidden_states=True)
-    assert_close(feats, torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1),
-                 atol=0, rtol=0)
+    assert_close(feats, torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1), atol=0, rtol=0)
     assert_close(logits, ref.logits, atol=0, rtol=0)
 
     # prefill 6 tokens into a cache, then 3 + 1 more: features and last logits match the full pass
@@ -190,7 +216,7 @@ def test_tapped_forward_full_and_incremental(build):
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3])
 def test_tap_check_passes_on_a_correct_capture(build):
-    t = TargetModel.from_hf(build(layers=6), None, [0, 2, 5])   # last layer: not compared
+    t = TargetModel.from_hf(build(layers=6), None, [0, 2, 5])  # last layer: not compared
     assert t.check_taps() < 1e-5
 
 
@@ -199,16 +225,20 @@ def test_tap_check_catches_hooks_on_the_wrong_layers():
     hooked modules are not the layers the ids name."""
     t = TargetModel.from_hf(tiny_llama(layers=6), None, [1, 3])
     t.layer_ids = [3, 1]
-    with pytest.raises(UserError, match=r"layer 3 differ from output_hidden_states\[4\].*"
-                                        r"LlamaDecoderLayer modules of LlamaForCausalLM"):
+    with pytest.raises(
+        UserError,
+        match=r"layer 3 differ from output_hidden_states\[4\].*"
+        r"LlamaDecoderLayer modules of LlamaForCausalLM",
+    ):
         t.check_taps()
 
 
 def test_tap_check_catches_non_finite_features():
     model = tiny_llama(layers=6)
     t = TargetModel.from_hf(model, None, [1, 3])
-    model.model.layers[2].register_forward_hook(       # feeds tapped layer 3
-        lambda mod, args, out: (out[0] if isinstance(out, tuple) else out) * float("inf"))
+    model.model.layers[2].register_forward_hook(  # feeds tapped layer 3
+        lambda mod, args, out: (out[0] if isinstance(out, tuple) else out) * float("inf")
+    )
     with pytest.raises(UserError, match=r"layer 3 produced non-finite hidden states in float32"):
         t.check_taps()
 
@@ -221,10 +251,12 @@ def test_load_missing_dir_is_user_error(tmp_path):
 
 # ------------------------------------------------------------------------------ embedded target
 
+
 @pytest.fixture(scope="module")
 def smollm2():
     from dflash_trainer.models.embedded import embedded_target_dir
-    embedded_target_dir()                       # convert once (default cache) before timing
+
+    embedded_target_dir()  # convert once (default cache) before timing
     t0 = time.perf_counter()
     target = TargetModel.load(TargetConfig(), "cpu")
     return target, time.perf_counter() - t0
@@ -246,14 +278,16 @@ def test_embedded_attributes(smollm2):
 def test_embedded_tap_parity_with_padding_and_early_stop(smollm2):
     target, _ = smollm2
     tok = target.tokenizer
-    rows = [tok("The quick brown fox jumps over the lazy dog.")["input_ids"],
-            tok("Hi")["input_ids"]]
+    rows = [
+        tok("The quick brown fox jumps over the lazy dog.")["input_ids"],
+        tok("Hi")["input_ids"],
+    ]
     S = max(map(len, rows))
     ids = torch.full((2, S), 2)
     mask = torch.zeros(2, S, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, S - len(r):] = torch.tensor(r)
-        mask[i, S - len(r):] = 1
+        ids[i, S - len(r) :] = torch.tensor(r)
+        mask[i, S - len(r) :] = 1
     calls, handles = _count_layer_calls(target.model)
     feats = target.features(ids, mask)
     ran = [i for i in range(30) if calls[i]]
@@ -272,12 +306,16 @@ def test_embedded_loads_fast_and_knows_paris(smollm2):
     print(f"\nembedded target load from cache: {load_s:.2f} s")
     assert load_s < 5.0
     tok = target.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     enc = tok(text, add_special_tokens=False, return_tensors="pt")
-    out = target.model.generate(**enc, max_new_tokens=16, do_sample=False,
-                                eos_token_id=target.eos_token_ids)
-    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    out = target.model.generate(
+        **enc, max_new_tokens=16, do_sample=False, eos_token_id=target.eos_token_ids
+    )
+    answer = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
@@ -288,7 +326,8 @@ def test_embedded_explicit_taps_and_remote_code_warning(caplog):
         TargetModel.load(TargetConfig(taps=[1, 40]), "cpu")
     assert "target.taps: layer 40 does not exist; the target has 30 layers (0..29)" in str(e.value)
     with caplog.at_level("WARNING"):
-        t = TargetModel.load(TargetConfig(taps=[3, 29], trust_remote_code=True,
-                                          dtype="bfloat16"), "cpu")
+        t = TargetModel.load(
+            TargetConfig(taps=[3, 29], trust_remote_code=True, dtype="bfloat16"), "cpu"
+        )
     assert "trust_remote_code is on" in caplog.text
     assert t.layer_ids == [3, 29] and t.dtype == torch.bfloat16

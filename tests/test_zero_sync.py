@@ -16,8 +16,16 @@ from dflash_trainer.pipeline.workers import Worker
 from dflash_trainer.trainer import train
 from tiny import tiny_config, tiny_dataset, tiny_target
 
-SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal",
-            "aten::item", "aten::masked_select", "aten::unique", "aten::_unique2"}
+SYNC_OPS = {
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::is_nonzero",
+    "aten::equal",
+    "aten::item",
+    "aten::masked_select",
+    "aten::unique",
+    "aten::_unique2",
+}
 
 
 class CountHostReads(TorchDispatchMode):
@@ -31,10 +39,15 @@ class CountHostReads(TorchDispatchMode):
         if name in ("aten::copy_", "aten::_to_copy", "aten::to"):
             # device -> host copies (only possible with a GPU present)
             src = args[1] if name == "aten::copy_" else args[0]
-            dst_dev = (args[0].device if name == "aten::copy_"
-                       else (kwargs or {}).get("device", None))
-            hit = (isinstance(src, torch.Tensor) and src.device.type == "cuda"
-                   and dst_dev is not None and torch.device(dst_dev).type == "cpu")
+            dst_dev = (
+                args[0].device if name == "aten::copy_" else (kwargs or {}).get("device", None)
+            )
+            hit = (
+                isinstance(src, torch.Tensor)
+                and src.device.type == "cuda"
+                and dst_dev is not None
+                and torch.device(dst_dev).type == "cpu"
+            )
         if hit:
             self.sink.append((self.worker.name, self.worker.counters.steps, name))
         return func(*args, **(kwargs or {}))
@@ -53,8 +66,9 @@ def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch):
             hits.extend(local)
 
     monkeypatch.setattr(Worker, "thread_context", staticmethod(ctx))
-    cfg = tiny_config(tmp_path, **{"metrics.log_every_s": 0.05, "optim.epochs": 3,
-                                   "checkpoint.every_steps": 0})
+    cfg = tiny_config(
+        tmp_path, **{"metrics.log_every_s": 0.05, "optim.epochs": 3, "checkpoint.every_steps": 0}
+    )
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
     assert res.steps > 10
     # every metric family was produced while we counted
@@ -69,6 +83,7 @@ def test_target_step_causal_mask_gives_the_same_features_on_real_tokens():
     from dflash_trainer.data.prefetcher import build_batch
     from dflash_trainer.pipeline.messages import WorkItem
     from dflash_trainer.train.step import TargetStep
+
     target, ds = tiny_target(), tiny_dataset()
     batch = build_batch(ds, [0, 1, 2, 3], 8, 0)
     hb = TargetStep(target, torch.device("cpu"), torch.float32)(WorkItem(0, 0, 0, batch))

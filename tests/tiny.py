@@ -10,13 +10,22 @@ from dflash_trainer.data.chat import TokenizedDataset
 from dflash_trainer.models.target import TargetModel
 
 
-def tiny_target(arch: str = "llama", layers: int = 4, hidden: int = 64, vocab: int = 128,
-                seed: int = 0) -> TargetModel:
+def tiny_target(
+    arch: str = "llama", layers: int = 4, hidden: int = 64, vocab: int = 128, seed: int = 0
+) -> TargetModel:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, tie_word_embeddings=True)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **kw))
     else:
@@ -27,8 +36,9 @@ def tiny_target(arch: str = "llama", layers: int = 4, hidden: int = 64, vocab: i
 STEPS = [0]  # repeated tokens: learnable in a few dozen steps by a 1-layer drafter
 
 
-def tiny_dataset(n: int = 24, vocab: int = 128, seed: int = 0, min_len: int = 24,
-                 max_len: int = 80) -> TokenizedDataset:
+def tiny_dataset(
+    n: int = 24, vocab: int = 128, seed: int = 0, min_len: int = 24, max_len: int = 80
+) -> TokenizedDataset:
     """Learnable 'conversations': a prompt (loss 0) then a response (loss 1), tokens >= 3.
 
     Each row is an arithmetic progression mod (vocab - 3) with a random start and a step from a
@@ -50,17 +60,31 @@ def tiny_dataset(n: int = 24, vocab: int = 128, seed: int = 0, min_len: int = 24
 
 def tiny_config(tmp_path, **over) -> Config:
     from dflash_trainer.config import load_config
+
     flags = {
         "run_dir": str(tmp_path / "run"),
-        "drafter.num_layers": 1, "drafter.num_heads": 4, "drafter.num_kv_heads": 2,
-        "drafter.head_dim": 16, "drafter.intermediate_size": 64, "drafter.block_size": 4,
-        "drafter.num_anchors": 8, "drafter.mask_token_id": 0,
-        "batching.max_tokens": 256, "batching.max_batch_size": 4, "batching.num_buckets": 2,
+        "drafter.num_layers": 1,
+        "drafter.num_heads": 4,
+        "drafter.num_kv_heads": 2,
+        "drafter.head_dim": 16,
+        "drafter.intermediate_size": 64,
+        "drafter.block_size": 4,
+        "drafter.num_anchors": 8,
+        "drafter.mask_token_id": 0,
+        "batching.max_tokens": 256,
+        "batching.max_batch_size": 4,
+        "batching.num_buckets": 2,
         "batching.pad_multiple": 8,
-        "optim.epochs": 2, "optim.lr": 3e-3, "optim.warmup_ratio": 0.0,
-        "pipeline.cpu_threads": 2, "pipeline.timeout_s": 0.05,
-        "metrics.tick_s": 0.05, "metrics.log_every_s": 0.2, "metrics.wandb": "off",
-        "metrics.tensorboard": False, "metrics.console": False,
+        "optim.epochs": 2,
+        "optim.lr": 3e-3,
+        "optim.warmup_ratio": 0.0,
+        "pipeline.cpu_threads": 2,
+        "pipeline.timeout_s": 0.05,
+        "metrics.tick_s": 0.05,
+        "metrics.log_every_s": 0.2,
+        "metrics.wandb": "off",
+        "metrics.tensorboard": False,
+        "metrics.console": False,
         "checkpoint.keep_last": 2,
     }
     flags.update(over)

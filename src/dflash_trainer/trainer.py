@@ -17,8 +17,13 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.checkpoint import (AsyncCheckpointWriter, TrainState, latest_checkpoint,
-                                       load_checkpoint, snapshot_checkpoint)
+from dflash_trainer.checkpoint import (
+    AsyncCheckpointWriter,
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    snapshot_checkpoint,
+)
 from dflash_trainer.config import Config, to_dict
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.errors import UserError
@@ -29,8 +34,13 @@ from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
-from dflash_trainer.pipeline.workers import (DrafterWorker, FaultInjector, SequentialWorker,
-                                             TargetWorker, Trainer)
+from dflash_trainer.pipeline.workers import (
+    DrafterWorker,
+    FaultInjector,
+    SequentialWorker,
+    TargetWorker,
+    Trainer,
+)
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
 from dflash_trainer.train.step import DrafterStep, TargetStep
@@ -87,9 +97,9 @@ class TrainResult:
     tokens: int
     export_dir: Path | None
     checkpoint: Path | None
-    metrics: dict = field(default_factory=dict)        # last monitor snapshot
-    history: list = field(default_factory=list)        # (step, drafter metrics) from the ring
-    balance: str = ""                                   # which stage bounded the run, and advice
+    metrics: dict = field(default_factory=dict)  # last monitor snapshot
+    history: list = field(default_factory=list)  # (step, drafter metrics) from the ring
+    balance: str = ""  # which stage bounded the run, and advice
 
 
 def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler:
@@ -97,8 +107,9 @@ def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler
     run_dir.mkdir(parents=True, exist_ok=True)
     h = logging.FileHandler(run_dir / name, encoding="utf-8")
     h.setLevel(logging.DEBUG)
-    h.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: "
-                                     "%(message)s"))
+    h.setFormatter(
+        logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: %(message)s")
+    )
     logging.getLogger().addHandler(h)
     return h
 
@@ -113,8 +124,9 @@ def thread_split(cfg: Config) -> tuple[int, int]:
 
 
 def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[int, list[int]]:
-    per_epoch = [len(plan_epoch(lengths, cfg.batching, e, rank, world))
-                 for e in range(cfg.optim.epochs)]
+    per_epoch = [
+        len(plan_epoch(lengths, cfg.batching, e, rank, world)) for e in range(cfg.optim.epochs)
+    ]
     total = sum(per_epoch) // cfg.optim.grad_accum
     if cfg.optim.max_steps:
         total = min(total, cfg.optim.max_steps)
@@ -126,12 +138,19 @@ def _check_taps(cfg: Config, step: TargetStep, name: str) -> None:
         return
     t0 = time.perf_counter()
     err = step.check()
-    log.info("%s: tapped layers %s match output_hidden_states (max relative error %.1e; "
-             "checked in %.2f s)", name, step.target.layer_ids, err, time.perf_counter() - t0)
+    log.info(
+        "%s: tapped layers %s match output_hidden_states (max relative error %.1e; "
+        "checked in %.2f s)",
+        name,
+        step.target.layer_ids,
+        err,
+        time.perf_counter() - t0,
+    )
 
 
 def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
     from dflash_trainer.models.attention import resolve_impl
+
     try:  # fail before any work, not at the first drafter step
         resolve_impl(cfg.drafter.attention, device)
     except ValueError as e:
@@ -141,9 +160,19 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
     return DFlashDrafter(dcfg).to(device)
 
 
-def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int = 0,
-          world_size: int = 1, ddp_wrap=None, monitor=None, observe: bool = True,
-          dist=None) -> TrainResult:
+def train(
+    cfg: Config,
+    *,
+    target=None,
+    train_set=None,
+    heldout=None,
+    rank: int = 0,
+    world_size: int = 1,
+    ddp_wrap=None,
+    monitor=None,
+    observe: bool = True,
+    dist=None,
+) -> TrainResult:
     """`dist`: a pipeline.distributed.DistContext when this process is one rank of a torchrun
     job (train_distributed builds it); it sets rank/world_size and the DDP wrapper."""
     from dflash_trainer.data.prefetcher import BatchPrefetcher, plan_skipping
@@ -161,22 +190,30 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     drafter_device = torch.device(p.drafter_device)
     if target is None:
         from dflash_trainer.models.target import TargetModel
+
         target = TargetModel.load(cfg.target, p.target_devices[0])
     if train_set is None:
         from dflash_trainer.data.prepare import prepare_data
+
         train_set, heldout = prepare_data(cfg, target.tokenizer)
     if len(train_set) == 0:
-        raise UserError("no training examples left after filtering; check data.sources and "
-                        "data.max_length")
+        raise UserError(
+            "no training examples left after filtering; check data.sources and data.max_length"
+        )
 
     drafter = build_drafter(cfg, target, drafter_device)
     model = ddp_wrap(drafter) if ddp_wrap is not None else drafter
     autocast = p.precision == "bf16" or (p.precision == "auto" and drafter_device.type == "cuda")
-    feature_dtype = (torch.bfloat16 if drafter_device.type == "cuda"
-                     else next(drafter.parameters()).dtype)
-    objective = DFlashObjective(cfg.drafter.block_size, cfg.drafter.num_anchors,
-                                cfg.drafter.gamma, drafter.config.mask_token_id,
-                                cfg.drafter.loss_chunk_blocks)
+    feature_dtype = (
+        torch.bfloat16 if drafter_device.type == "cuda" else next(drafter.parameters()).dtype
+    )
+    objective = DFlashObjective(
+        cfg.drafter.block_size,
+        cfg.drafter.num_anchors,
+        cfg.drafter.gamma,
+        drafter.config.mask_token_id,
+        cfg.drafter.loss_chunk_blocks,
+    )
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     # This rank's position in the checkpoint (another world size: the rest of its epoch is
     # re-planned without the samples already trained), known before the LR schedule is built.
@@ -184,12 +221,16 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     rank_state, epoch_skip, set_rank_rng = (None, None, None)
     if resume_ck is not None:
         rank_state, epoch_skip, set_rank_rng = dist_mod.resume_position(
-            resume_ck, rank=rank, world_size=world_size, seed=p.seed)
+            resume_ck, rank=rank, world_size=world_size, seed=p.seed
+        )
     total_steps, per_epoch = count_steps(train_set.lengths, cfg, rank, world_size)
     if epoch_skip is not None:
-        first = len(plan_skipping(train_set.lengths, cfg.batching, rank_state.epoch, rank,
-                                  world_size, epoch_skip).batches)
-        left = first - len(rank_state.consumed or []) + sum(per_epoch[rank_state.epoch + 1:])
+        first = len(
+            plan_skipping(
+                train_set.lengths, cfg.batching, rank_state.epoch, rank, world_size, epoch_skip
+            ).batches
+        )
+        left = first - len(rank_state.consumed or []) + sum(per_epoch[rank_state.epoch + 1 :])
         total_steps = rank_state.step + max(0, left) // cfg.optim.grad_accum
         if cfg.optim.max_steps:
             total_steps = min(total_steps, cfg.optim.max_steps)
@@ -198,15 +239,20 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         # A checkpoint of a run with another total (world size, epochs): keep the LR curve
         # continuous at the resume step instead of jumping to the new schedule's value there.
         meta = json.loads((resume_ck / "state.json").read_text())
-        saved = meta.get("lr_segments") or ([[meta["total_steps"], 0]]
-                                            if meta.get("total_steps") else None)
+        saved = meta.get("lr_segments") or (
+            [[meta["total_steps"], 0]] if meta.get("total_steps") else None
+        )
         if saved:
             lr_segments = [list(x) for x in saved]
             if int(lr_segments[-1][0]) != total_steps:
                 lr_segments.append([total_steps, rank_state.step])
-                log.info("resuming at step %d of a %d-step schedule with %d steps in all now: "
-                         "the rest of the LR schedule is spread over the new remaining steps",
-                         rank_state.step, int(saved[-1][0]), total_steps)
+                log.info(
+                    "resuming at step %d of a %d-step schedule with %d steps in all now: "
+                    "the rest of the LR schedule is spread over the new remaining steps",
+                    rank_state.step,
+                    int(saved[-1][0]),
+                    total_steps,
+                )
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments)
     guard = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, drafter_device)
     generator = torch.Generator(device=drafter_device)
@@ -217,13 +263,24 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     if cfg.checkpoint.resume:
         ck = latest_checkpoint(run_dir)
         if ck is not None:
-            state = load_checkpoint(ck, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-                                    generator=generator, config=config_dict)
+            state = load_checkpoint(
+                ck,
+                drafter=drafter,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                generator=generator,
+                config=config_dict,
+            )
             if rank_state is not None and ck == resume_ck:
                 state = rank_state
                 set_rank_rng(generator)
-            log.info("resumed from %s at step %d (epoch %d, %d batches of it done)", ck,
-                     state.step, state.epoch, len(state.consumed))
+            log.info(
+                "resumed from %s at step %d (epoch %d, %d batches of it done)",
+                ck,
+                state.step,
+                state.epoch,
+                len(state.consumed),
+            )
     start_steps = state.step
 
     # The drafter shares the target's frozen embedding and LM head. Without autocast they must
@@ -232,18 +289,30 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     head_dtype = target.embed_weight.dtype if autocast else next(drafter.parameters()).dtype
     embed_weight = target.embed_weight.to(drafter_device, dtype=head_dtype)
     lm_head = target.lm_head
-    if (drafter_device != torch.device(target.device)
-            or next(lm_head.parameters()).dtype != head_dtype):
+    if (
+        drafter_device != torch.device(target.device)
+        or next(lm_head.parameters()).dtype != head_dtype
+    ):
         import copy
+
         lm_head = copy.deepcopy(target.lm_head).to(drafter_device, dtype=head_dtype)
         lm_head.requires_grad_(False)
     ring = ScalarRing(DrafterStep.metric_names(objective), capacity=256, device=drafter_device)
     recorder = RecordingRing(ring)
-    drafter_step = DrafterStep(drafter=model, objective=objective, embed_weight=embed_weight,
-                               lm_head=lm_head, optimizer=optimizer, scheduler=scheduler,
-                               guard=guard, generator=generator, device=drafter_device,
-                               grad_accum=cfg.optim.grad_accum, autocast_bf16=autocast,
-                               ring=ring if observe else None)
+    drafter_step = DrafterStep(
+        drafter=model,
+        objective=objective,
+        embed_weight=embed_weight,
+        lm_head=lm_head,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        guard=guard,
+        generator=generator,
+        device=drafter_device,
+        grad_accum=cfg.optim.grad_accum,
+        autocast_bf16=autocast,
+        ring=ring if observe else None,
+    )
 
     def export_fn(out_dir, weights):
         export_weights(drafter.config, weights, out_dir)
@@ -262,9 +331,13 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         if mon is not None:
             mon.log_event({"event/checkpoint_step": snap.step}, snap.step)
 
-    writer = AsyncCheckpointWriter(run_dir, keep_last=cfg.checkpoint.keep_last,
-                                   export_fn=export_fn, on_done=checkpoint_written,
-                                   timeout_s=cfg.checkpoint.write_timeout_s)
+    writer = AsyncCheckpointWriter(
+        run_dir,
+        keep_last=cfg.checkpoint.keep_last,
+        export_fn=export_fn,
+        on_done=checkpoint_written,
+        timeout_s=cfg.checkpoint.write_timeout_s,
+    )
 
     def checkpoint_now(trainer: Trainer, background: bool = False) -> Path | None:
         """Snapshot the state at this step boundary and write it: in the background when asked
@@ -273,9 +346,13 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         if dist is not None:
             # Every rank calls this after the same step (DDP + the stop vote keep them in
             # lockstep): gather positions, anchor RNG states and ledgers to rank 0.
-            parts = dist.gather_to_main({"state": trainer.state.to_json(),
-                                         "generator": generator.get_state(),
-                                         "ledger": trainer.ledger})
+            parts = dist.gather_to_main(
+                {
+                    "state": trainer.state.to_json(),
+                    "generator": generator.get_state(),
+                    "ledger": trainer.ledger,
+                }
+            )
             trainer.ledger = []
             if rank != 0:
                 return None
@@ -284,23 +361,31 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
             extra_blob = {"rank_generators": [q["generator"] for q in parts]}
         if rank != 0:
             return None
-        extra_meta["total_steps"] = total_steps     # the LR schedule (see lr_segments above)
+        extra_meta["total_steps"] = total_steps  # the LR schedule (see lr_segments above)
         extra_meta["lr_segments"] = lr_segments
         if epoch_skip is not None and trainer.state.epoch == rank_state.epoch:
             extra_meta["epoch_skip"] = {"epoch": rank_state.epoch, "samples": epoch_skip}
         ledger, trainer.ledger = trainer.ledger, []
-        if gathered is not None:            # torchrun: every rank's entries, gathered to rank 0
+        if gathered is not None:  # torchrun: every rank's entries, gathered to rank 0
             ledger = gathered
-        writer.wait()       # the previous write lands first: one snapshot in host memory
-        snap = snapshot_checkpoint(drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-                                   generator=generator, state=trainer.state, config=config_dict,
-                                   extra_meta=extra_meta, extra_blob=extra_blob, ledger=ledger)
+        writer.wait()  # the previous write lands first: one snapshot in host memory
+        snap = snapshot_checkpoint(
+            drafter=drafter,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            generator=generator,
+            state=trainer.state,
+            config=config_dict,
+            extra_meta=extra_meta,
+            extra_blob=extra_blob,
+            ledger=ledger,
+        )
         writer.submit(snap)
         if background and cfg.checkpoint.async_write:
             return None
         return writer.wait()
 
-    target_lock = threading.Lock()      # the target worker and the periodic eval share the target
+    target_lock = threading.Lock()  # the target worker and the periodic eval share the target
     evaluator = PeriodicEval(cfg, target, drafter, heldout, run_dir, target_lock)
 
     def on_step_end(step: int) -> None:
@@ -327,9 +412,18 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
     t_threads, d_threads = thread_split(cfg)
     remaining_epochs = cfg.optim.epochs
     prefetcher = BatchPrefetcher(
-        train_set, cfg.batching, work_q, stop, events, epochs=remaining_epochs, rank=rank,
-        world_size=world_size, pin_memory=any(d.startswith("cuda") for d in p.target_devices),
-        start=(state.epoch, _contiguous_prefix(state.consumed)), skip_samples=epoch_skip)
+        train_set,
+        cfg.batching,
+        work_q,
+        stop,
+        events,
+        epochs=remaining_epochs,
+        rank=rank,
+        world_size=world_size,
+        pin_memory=any(d.startswith("cuda") for d in p.target_devices),
+        start=(state.epoch, _contiguous_prefix(state.consumed)),
+        skip_samples=epoch_skip,
+    )
     prefetcher.faults = faults
     target_step = TargetStep(target, drafter_device, feature_dtype)
     threads: list[threading.Thread] = [prefetcher]
@@ -339,45 +433,89 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         queues.append(hs_q)
         targets = [target] if len(p.target_devices) == 1 else _replicate_target(cfg, target)
         for i, tgt in enumerate(targets):
-            step_fn = target_step if tgt is target else TargetStep(tgt, drafter_device,
-                                                                   feature_dtype)
+            step_fn = (
+                target_step if tgt is target else TargetStep(tgt, drafter_device, feature_dtype)
+            )
             _check_taps(cfg, step_fn, f"target{i}")
-            threads.append(TargetWorker(f"target{i}", events, stop, t_threads, faults,
-                                        step_fn=step_fn, work_q=work_q, hs_q=hs_q,
-                                        lock=target_lock))
-        threads.append(DrafterWorker("drafter0", events, stop, d_threads, faults,
-                                     trainer=trainer, hs_q=hs_q, num_producers=len(targets),
-                                     done=done))
+            threads.append(
+                TargetWorker(
+                    f"target{i}",
+                    events,
+                    stop,
+                    t_threads,
+                    faults,
+                    step_fn=step_fn,
+                    work_q=work_q,
+                    hs_q=hs_q,
+                    lock=target_lock,
+                )
+            )
+        threads.append(
+            DrafterWorker(
+                "drafter0",
+                events,
+                stop,
+                d_threads,
+                faults,
+                trainer=trainer,
+                hs_q=hs_q,
+                num_producers=len(targets),
+                done=done,
+            )
+        )
     else:
         _check_taps(cfg, target_step, "target")
-        threads.append(SequentialWorker("sequential0", events, stop, t_threads, faults,
-                                        target_step=target_step, trainer=trainer, work_q=work_q,
-                                        done=done, lock=target_lock))
+        threads.append(
+            SequentialWorker(
+                "sequential0",
+                events,
+                stop,
+                t_threads,
+                faults,
+                target_step=target_step,
+                trainer=trainer,
+                work_q=work_q,
+                done=done,
+                lock=target_lock,
+            )
+        )
 
-    workers = [getattr(t, "counters") for t in threads]
+    workers = [t.counters for t in threads]
     mon = monitor if observe else NullMonitor()
     if mon is None:
         sinks = None
-        if dist is not None and rank == 0:      # merged per-rank metrics; only rank 0 writes
+        if dist is not None and rank == 0:  # merged per-rank metrics; only rank 0 writes
             from dflash_trainer.observe.sinks import build_sinks
+
             sinks = dist_mod.MergingSink(build_sinks(cfg.metrics, run_dir, config_dict), dist)
-        mon = Monitor(cfg.metrics, run_dir, sinks=sinks, config_dict=config_dict,
-                      workers=workers, queues=queues,
-                      composition=getattr(prefetcher, "composition", None),
-                      rings={"drafter": recorder},
-                      devices=sorted({torch.device(d) for d in p.target_devices}
-                                     | {drafter_device}, key=str),
-                      flops=FlopsModel.from_configs(
-                          target.model.config, max(target.layer_ids) + 1, drafter.config,
-                          seq_len=float(train_set.lengths.mean())),
-                      rank=rank)
+        mon = Monitor(
+            cfg.metrics,
+            run_dir,
+            sinks=sinks,
+            config_dict=config_dict,
+            workers=workers,
+            queues=queues,
+            composition=getattr(prefetcher, "composition", None),
+            rings={"drafter": recorder},
+            devices=sorted({torch.device(d) for d in p.target_devices} | {drafter_device}, key=str),
+            flops=FlopsModel.from_configs(
+                target.model.config,
+                max(target.layer_ids) + 1,
+                drafter.config,
+                seq_len=float(train_set.lengths.mean()),
+            ),
+            rank=rank,
+        )
     bar = _progress_bar(cfg, total_steps, start_steps) if observe and rank == 0 else None
 
     def on_tick():
         if dist is not None:
-            dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest(), threads[-1].counters,
-                                                time.monotonic() - t0))
-            dist.check_peers(events)    # a peer's failure stops this rank, naming the peer
+            dist.publish(
+                dist_mod.rank_snapshot(
+                    trainer.state, mon.latest(), threads[-1].counters, time.monotonic() - t0
+                )
+            )
+            dist.check_peers(events)  # a peer's failure stops this rank, naming the peer
         if bar is not None:
             c = trainer.state
             bar.n = c.step
@@ -386,14 +524,21 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
             bar.refresh()
 
     signals = SignalGuard()
-    sup = Supervisor(threads=threads, events=events, stop=stop, done=done, monitor=mon,
-                     tick_s=cfg.metrics.tick_s, deadline_s=p.shutdown_deadline_s,
-                     stall_timeout_s=p.stall_timeout_s,
-                     max_consecutive_skips=cfg.optim.max_consecutive_skips,
-                     consecutive_skips=lambda: recorder.last.get("consecutive_skips", 0.0),
-                     on_tick=on_tick,
-                     # torchrun: a signal only feeds the stop vote (all ranks stop together)
-                     signals=signals if dist is None else None)
+    sup = Supervisor(
+        threads=threads,
+        events=events,
+        stop=stop,
+        done=done,
+        monitor=mon,
+        tick_s=cfg.metrics.tick_s,
+        deadline_s=p.shutdown_deadline_s,
+        stall_timeout_s=p.stall_timeout_s,
+        max_consecutive_skips=cfg.optim.max_consecutive_skips,
+        consecutive_skips=lambda: recorder.last.get("consecutive_skips", 0.0),
+        on_tick=on_tick,
+        # torchrun: a signal only feeds the stop vote (all ranks stop together)
+        signals=signals if dist is None else None,
+    )
     t0 = time.monotonic()
     outcome = None
     merged: dict = {}
@@ -409,23 +554,35 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
                 except BaseException as e:
                     if dist is None:
                         raise
-                    raise dist.explain_failure(e)
+                    # explain_failure returns `e` or an error whose __cause__ it set itself
+                    raise dist.explain_failure(e)  # noqa: B904
                 outcome_reason = "signal" if trainer.stopped_by_vote else outcome.reason
         bal = assess_balance([t.counters for t in threads])
         if bal is not None:
             balance = bal.advice()
             log.info("%s", balance)
-            mon.log_event({"pipeline/verdict": bal.verdict,
-                           "pipeline/target_busy": round(bal.target_busy, 4),
-                           "pipeline/drafter_busy": round(bal.drafter_busy, 4),
-                           "pipeline/target_tok_s_per_worker": round(bal.target_tok_s, 1),
-                           "pipeline/drafter_tok_s": round(bal.drafter_tok_s, 1),
-                           "pipeline/targets_per_drafter": round(bal.targets_per_drafter, 3)},
-                          trainer.state.step)
+            mon.log_event(
+                {
+                    "pipeline/verdict": bal.verdict,
+                    "pipeline/target_busy": round(bal.target_busy, 4),
+                    "pipeline/drafter_busy": round(bal.drafter_busy, 4),
+                    "pipeline/target_tok_s_per_worker": round(bal.target_tok_s, 1),
+                    "pipeline/drafter_tok_s": round(bal.drafter_tok_s, 1),
+                    "pipeline/targets_per_drafter": round(bal.targets_per_drafter, 3),
+                },
+                trainer.state.step,
+            )
         # The drafter thread has stopped: its state is consistent. Checkpoint + export.
-        if dist is not None:        # final snapshot; the checkpoint gather then orders it
-            dist.publish(dist_mod.rank_snapshot(trainer.state, mon.latest(), threads[-1].counters,
-                                                time.monotonic() - t0, final=True))
+        if dist is not None:  # final snapshot; the checkpoint gather then orders it
+            dist.publish(
+                dist_mod.rank_snapshot(
+                    trainer.state,
+                    mon.latest(),
+                    threads[-1].counters,
+                    time.monotonic() - t0,
+                    final=True,
+                )
+            )
         ck = checkpoint_now(trainer)
         if dist is not None and rank == 0:
             merged.update(dist_mod.merge_snapshots(dist.snapshots(), world_size))
@@ -440,12 +597,13 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
             export_drafter(drafter, tmp)
             if export_dir.exists():
                 import shutil
+
                 shutil.rmtree(export_dir)
             os.replace(tmp, export_dir)
     finally:
         if bar is not None:
             bar.close()
-        try:    # a background write still in flight after a failure: let it land
+        try:  # a background write still in flight after a failure: let it land
             writer.wait()
         except BaseException as e:
             log.error("background checkpoint write failed: %s", e)
@@ -459,10 +617,18 @@ def train(cfg: Config, *, target=None, train_set=None, heldout=None, rank: int =
         # the drafter, optimizer and head copies alive until the next full GC (a soak that calls
         # train() repeatedly saw RSS climb by ~230 MB per call).
         trainer.on_step_end = None
-    return TrainResult(run_dir=run_dir, steps=trainer.state.step, reason=outcome_reason,
-                       wall_s=time.monotonic() - t0, tokens=trainer.state.tokens,
-                       export_dir=export_dir, checkpoint=ck, metrics=final_metrics,
-                       history=history, balance=balance)
+    return TrainResult(
+        run_dir=run_dir,
+        steps=trainer.state.step,
+        reason=outcome_reason,
+        wall_s=time.monotonic() - t0,
+        tokens=trainer.state.tokens,
+        export_dir=export_dir,
+        checkpoint=ck,
+        metrics=final_metrics,
+        history=history,
+        balance=balance,
+    )
 
 
 class PeriodicEval:
@@ -474,8 +640,13 @@ class PeriodicEval:
     """
 
     def __init__(self, cfg: Config, target, drafter, heldout, run_dir: Path, lock):
-        self.cfg, self.target, self.drafter, self.run_dir, self.lock = (cfg, target, drafter,
-                                                                        run_dir, lock)
+        self.cfg, self.target, self.drafter, self.run_dir, self.lock = (
+            cfg,
+            target,
+            drafter,
+            run_dir,
+            lock,
+        )
         self.prompts = _heldout_prompts(heldout, cfg.eval.num_prompts)
         self.best = float("-inf")
 
@@ -483,15 +654,25 @@ class PeriodicEval:
         if not self.prompts:
             return None
         from dflash_trainer.eval.specdecode import quick_acceptance
+
         block = self.cfg.eval.block_size or self.cfg.drafter.block_size
         t0 = time.perf_counter()
         with self.lock:
-            res = quick_acceptance(self.target, self.drafter, self.prompts,
-                                   self.cfg.eval.max_new_tokens, block)
-        rec = {"eval/tau": float(res["tau"]), "eval/seconds": time.perf_counter() - t0,
-               "eval/step": step}
-        log.info("eval at step %d: tau %.3f on %d held-out prompts (%.1f s)", step, res["tau"],
-                 len(self.prompts), rec["eval/seconds"])
+            res = quick_acceptance(
+                self.target, self.drafter, self.prompts, self.cfg.eval.max_new_tokens, block
+            )
+        rec = {
+            "eval/tau": float(res["tau"]),
+            "eval/seconds": time.perf_counter() - t0,
+            "eval/step": step,
+        }
+        log.info(
+            "eval at step %d: tau %.3f on %d held-out prompts (%.1f s)",
+            step,
+            res["tau"],
+            len(self.prompts),
+            rec["eval/seconds"],
+        )
         if res["tau"] > self.best:
             self.best = res["tau"]
             tmp = self.run_dir / "best.tmp"
@@ -499,6 +680,7 @@ class PeriodicEval:
             (tmp / "eval.json").write_text(json.dumps({"step": step, "tau": res["tau"]}))
             if (self.run_dir / "best").exists():
                 import shutil
+
                 shutil.rmtree(self.run_dir / "best")
             os.replace(tmp, self.run_dir / "best")
             rec["eval/best_tau"] = self.best
@@ -527,13 +709,16 @@ def _contiguous_prefix(consumed) -> int:
     while k in done:
         k += 1
     if len(done) != k:
-        raise UserError(f"checkpoint position is not a prefix of the epoch (batches {sorted(done)[:8]}"
-                        "...); resume with the same pipeline.target_devices it was written with.")
+        raise UserError(
+            f"checkpoint position is not a prefix of the epoch (batches {sorted(done)[:8]}"
+            "...); resume with the same pipeline.target_devices it was written with."
+        )
     return k
 
 
 def _replicate_target(cfg: Config, first):
     from dflash_trainer.models.target import TargetModel
+
     out = [first]
     for dev in cfg.pipeline.target_devices[1:]:
         out.append(TargetModel.load(cfg.target, dev))
@@ -542,9 +727,11 @@ def _replicate_target(cfg: Config, first):
 
 def _postfix(snap: dict) -> str:
     parts = []
-    for key, label, fmt in (("drafter/loss", "loss", "{:.3f}"),
-                            ("drafter/accept_len", "acc_len", "{:.2f}"),
-                            ("tput/drafter_tok_s", "tok/s", "{:.0f}")):
+    for key, label, fmt in (
+        ("drafter/loss", "loss", "{:.3f}"),
+        ("drafter/accept_len", "acc_len", "{:.2f}"),
+        ("tput/drafter_tok_s", "tok/s", "{:.0f}"),
+    ):
         if key in snap:
             parts.append(f"{label}={fmt.format(snap[key])}")
     return " ".join(parts)
@@ -554,6 +741,7 @@ def _progress_bar(cfg: Config, total: int, start: int):
     if not cfg.metrics.console:
         return None
     from tqdm import tqdm
+
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
@@ -562,14 +750,18 @@ def train_command(cfg: Config, args) -> int:
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         # Convenience: relaunch this very command under torchrun, one process per cell.
         import sys
+
         from dflash_trainer.pipeline.distributed import launch_torchrun
+
         return launch_torchrun(nproc, sys.argv[1:])
     rank = int(os.environ.get("RANK", "0"))
-    handler = setup_run_logging(Path(cfg.run_dir),
-                                "train.log" if rank == 0 else f"train.rank{rank}.log")
+    handler = setup_run_logging(
+        Path(cfg.run_dir), "train.log" if rank == 0 else f"train.rank{rank}.log"
+    )
     try:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:     # under torchrun
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
             from dflash_trainer.pipeline.distributed import train_distributed
+
             result = train_distributed(cfg)
         else:
             result = train(cfg)
@@ -577,8 +769,10 @@ def train_command(cfg: Config, args) -> int:
         logging.getLogger().removeHandler(handler)
     if rank != 0:
         return 0
-    print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.reason}); "
-          f"export: {result.export_dir}; checkpoint: {result.checkpoint}")
+    print(
+        f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.reason}); "
+        f"export: {result.export_dir}; checkpoint: {result.checkpoint}"
+    )
     if result.balance:
         print(result.balance)
     return 0

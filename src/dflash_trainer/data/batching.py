@@ -38,10 +38,10 @@ from dflash_trainer.errors import UserError
 
 @dataclass
 class EpochPlan:
-    batches: list[list[int]]     # this rank's batches, in order (dataset indices)
-    buckets: list[int]           # bucket id of each batch
+    batches: list[list[int]]  # this rank's batches, in order (dataset indices)
+    buckets: list[int]  # bucket id of each batch
     num_buckets: int
-    dropped_batches: int = 0     # global tail batches dropped so all ranks get the same count
+    dropped_batches: int = 0  # global tail batches dropped so all ranks get the same count
     dropped_samples: int = 0
 
 
@@ -74,8 +74,11 @@ def _cut(order: np.ndarray, lengths: np.ndarray, cfg) -> list[list[int]]:
     for i in order.tolist():
         l = int(lengths[i])
         m = max(cur_max, l)
-        if cur and ((len(cur) + 1) * _round_up(m, cfg.pad_multiple) > cfg.max_tokens
-                    or len(cur) >= cfg.max_batch_size or l < cur_max):
+        if cur and (
+            (len(cur) + 1) * _round_up(m, cfg.pad_multiple) > cfg.max_tokens
+            or len(cur) >= cfg.max_batch_size
+            or l < cur_max
+        ):
             batches.append(cur)
             cur, m = [], l
         cur.append(i)
@@ -85,8 +88,7 @@ def _cut(order: np.ndarray, lengths: np.ndarray, cfg) -> list[list[int]]:
     return batches
 
 
-def plan_epoch_detailed(lengths, cfg, epoch: int, rank: int = 0,
-                        world_size: int = 1) -> EpochPlan:
+def plan_epoch_detailed(lengths, cfg, epoch: int, rank: int = 0, world_size: int = 1) -> EpochPlan:
     lengths = np.asarray(lengths, dtype=np.int64)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
@@ -94,9 +96,11 @@ def plan_epoch_detailed(lengths, cfg, epoch: int, rank: int = 0,
         return EpochPlan([], [], max(1, cfg.num_buckets))
     longest = int(_round_up(lengths.max(), cfg.pad_multiple))
     if longest > cfg.max_tokens:
-        raise UserError(f"batching.max_tokens ({cfg.max_tokens}) is smaller than the longest "
-                        f"sequence ({longest} tokens after padding to batching.pad_multiple); "
-                        "raise batching.max_tokens or lower data.max_length.")
+        raise UserError(
+            f"batching.max_tokens ({cfg.max_tokens}) is smaller than the longest "
+            f"sequence ({longest} tokens after padding to batching.pad_multiple); "
+            "raise batching.max_tokens or lower data.max_length."
+        )
     edges = bucket_edges(lengths, cfg)
     num_buckets = len(edges) + 1
     bucket_of = assign_buckets(lengths, edges)
@@ -108,10 +112,13 @@ def plan_epoch_detailed(lengths, cfg, epoch: int, rank: int = 0,
         members = np.flatnonzero(bucket_of == b)
         members = members[rng.permutation(len(members))]
         w = window if window > 0 else max(len(members), 1)
-        parts = [members[s:s + w] for s in range(0, len(members), w)]
+        parts = [members[s : s + w] for s in range(0, len(members), w)]
         # Stable sort after the shuffle: equal lengths keep their random order.
-        order = np.concatenate([p[np.argsort(lengths[p], kind="stable")] for p in parts]) \
-            if parts else members
+        order = (
+            np.concatenate([p[np.argsort(lengths[p], kind="stable")] for p in parts])
+            if parts
+            else members
+        )
         bb = _cut(order, lengths, cfg)
         # Shuffle batch order inside the bucket so it does not climb short -> long either.
         per_bucket.append([bb[j] for j in rng.permutation(len(bb)).tolist()])
@@ -129,8 +136,13 @@ def plan_epoch_detailed(lengths, cfg, epoch: int, rank: int = 0,
 
     usable = len(batches) - len(batches) % world_size
     dropped = batches[usable:]
-    return EpochPlan(batches[rank:usable:world_size], buckets[rank:usable:world_size], num_buckets,
-                     dropped_batches=len(dropped), dropped_samples=sum(len(b) for b in dropped))
+    return EpochPlan(
+        batches[rank:usable:world_size],
+        buckets[rank:usable:world_size],
+        num_buckets,
+        dropped_batches=len(dropped),
+        dropped_samples=sum(len(b) for b in dropped),
+    )
 
 
 def plan_epoch(lengths, cfg, epoch: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
@@ -141,6 +153,7 @@ def plan_epoch(lengths, cfg, epoch: int, rank: int = 0, world_size: int = 1) -> 
 # --------------------------------------------------------------------------------------------
 # Measures (bench, tests, monitor)
 # --------------------------------------------------------------------------------------------
+
 
 def padding_efficiency(batches, lengths, pad_multiple: int) -> float:
     """Σ real tokens / Σ rows x padded length."""
@@ -167,7 +180,7 @@ def bucket_entropy(bucket_ids_of_batches, num_buckets: int, window: int = 64) ->
     onehot = np.zeros((len(ids) + 1, k), dtype=np.int64)
     onehot[np.arange(1, len(ids) + 1), ids] = 1
     csum = np.cumsum(onehot, axis=0)
-    counts = csum[w:] - csum[:-w]                      # [num_windows, K]
+    counts = csum[w:] - csum[:-w]  # [num_windows, K]
     p = counts / w
     with np.errstate(divide="ignore", invalid="ignore"):
         h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)

@@ -38,14 +38,20 @@ from dflash_trainer.errors import UserError
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
-_STAT_KEYS = ("examples", "dropped_overlong", "truncated", "dropped_short", "tokens",
-              "supervised_tokens")
+_STAT_KEYS = (
+    "examples",
+    "dropped_overlong",
+    "truncated",
+    "dropped_short",
+    "tokens",
+    "supervised_tokens",
+)
 
 
 @dataclass
 class TokenizedExample:
     input_ids: list[int]
-    loss_mask: list[int]    # 1 = assistant token (content + end-of-turn)
+    loss_mask: list[int]  # 1 = assistant token (content + end-of-turn)
     truncated: bool = False
 
 
@@ -55,14 +61,17 @@ def _tok_name(tokenizer) -> str:
 
 def _check_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"tokenizer '{_tok_name(tokenizer)}' has no chat template, so assistant "
-                        "turns cannot be located. Use an instruct/chat model's tokenizer, or set "
-                        "`tokenizer.chat_template` to a Jinja template (e.g. ChatML).")
+        raise UserError(
+            f"tokenizer '{_tok_name(tokenizer)}' has no chat template, so assistant "
+            "turns cannot be located. Use an instruct/chat model's tokenizer, or set "
+            "`tokenizer.chat_template` to a Jinja template (e.g. ChatML)."
+        )
 
 
 def _render(tokenizer, messages, gen: bool, kwargs: dict) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
-                                         **kwargs)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=gen, **kwargs
+    )
 
 
 def _special_strings(tokenizer) -> tuple[str, ...]:
@@ -73,8 +82,12 @@ def _special_strings(tokenizer) -> tuple[str, ...]:
     return tuple(sorted(s for s in specials if s))
 
 
-def render_with_spans(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
-                      specials: tuple[str, ...] | None = None) -> tuple[str, list[tuple[int, int]]]:
+def render_with_spans(
+    tokenizer,
+    messages: list[dict],
+    template_kwargs: dict | None = None,
+    specials: tuple[str, ...] | None = None,
+) -> tuple[str, list[tuple[int, int]]]:
     """Full text and the character spans [start, end) of every supervised assistant turn."""
     kw = dict(template_kwargs or {})
     specials = _special_strings(tokenizer) if specials is None else specials
@@ -93,7 +106,8 @@ def render_with_spans(tokenizer, messages: list[dict], template_kwargs: dict | N
                 f"{which} does not render as a prefix of the conversation at assistant turn "
                 f"{i} (the template renders earlier turns differently, e.g. drops reasoning). "
                 "Set `tokenizer.chat_template` to a template that renders history unchanged, or "
-                "use single-turn data.")
+                "use single-turn data."
+            )
         start, end = len(p), len(q)
         # Turn = content + end-of-turn special + maybe whitespace ("\n" in ChatML): keep the
         # special, drop the whitespace after it. endswith() over a tuple is O(total special len).
@@ -113,8 +127,14 @@ def _mask_from_offsets(offsets, spans) -> np.ndarray:
     return mask
 
 
-def _finish(ids: list[int], mask: np.ndarray, max_length: int, overlong: str,
-            min_supervised: int, stats: dict | None) -> TokenizedExample | None:
+def _finish(
+    ids: list[int],
+    mask: np.ndarray,
+    max_length: int,
+    overlong: str,
+    min_supervised: int,
+    stats: dict | None,
+) -> TokenizedExample | None:
     stats = stats if stats is not None else {}
     truncated = False
     if len(ids) > max_length:
@@ -132,15 +152,23 @@ def _finish(ids: list[int], mask: np.ndarray, max_length: int, overlong: str,
 
 def _encode(tokenizer, texts: list[str]):
     if not getattr(tokenizer, "is_fast", True):
-        raise UserError(f"tokenizer '{_tok_name(tokenizer)}' is a slow (Python) tokenizer; the "
-                        "loss mask needs offset mappings. Load it with use_fast=True.")
+        raise UserError(
+            f"tokenizer '{_tok_name(tokenizer)}' is a slow (Python) tokenizer; the "
+            "loss mask needs offset mappings. Load it with use_fast=True."
+        )
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     return enc["input_ids"], enc["offset_mapping"]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, overlong: str,
-                          min_supervised: int = 2, template_kwargs: dict | None = None,
-                          stats: dict | None = None) -> TokenizedExample | None:
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict],
+    max_length: int,
+    overlong: str,
+    min_supervised: int = 2,
+    template_kwargs: dict | None = None,
+    stats: dict | None = None,
+) -> TokenizedExample | None:
     """One conversation -> ids + assistant mask, or None (dropped; the reason is counted in stats).
 
     overlong: 'truncate' keeps the first max_length tokens, 'drop' drops the example.
@@ -150,19 +178,27 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, over
     _check_template(tokenizer)
     text, spans = render_with_spans(tokenizer, messages, template_kwargs)
     (ids,), (offs,) = _encode(tokenizer, [text])
-    return _finish(ids, _mask_from_offsets(offs, spans), max_length, overlong, min_supervised,
-                   stats)
+    return _finish(
+        ids, _mask_from_offsets(offs, spans), max_length, overlong, min_supervised, stats
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Dataset
 # --------------------------------------------------------------------------------------------
 
+
 class TokenizedDataset:
     """Tokenized conversations: per-example int32 ids, uint8 loss masks, string ids, lengths."""
 
-    def __init__(self, input_ids: list, loss_mask: list, ids: list[str], stats: dict | None = None,
-                 pad_id: int = 0):
+    def __init__(
+        self,
+        input_ids: list,
+        loss_mask: list,
+        ids: list[str],
+        stats: dict | None = None,
+        pad_id: int = 0,
+    ):
         assert len(input_ids) == len(loss_mask) == len(ids)
         self.input_ids = [np.asarray(x, dtype=np.int32) for x in input_ids]
         self.loss_mask = [np.asarray(x, dtype=np.uint8) for x in loss_mask]
@@ -177,14 +213,20 @@ class TokenizedDataset:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def subset(self, indices) -> "TokenizedDataset":
+    def subset(self, indices) -> TokenizedDataset:
         idx = list(indices)
-        sub = TokenizedDataset([self.input_ids[i] for i in idx], [self.loss_mask[i] for i in idx],
-                               [self.ids[i] for i in idx], None, self.pad_id)
+        sub = TokenizedDataset(
+            [self.input_ids[i] for i in idx],
+            [self.loss_mask[i] for i in idx],
+            [self.ids[i] for i in idx],
+            None,
+            self.pad_id,
+        )
         return sub
 
-    def split_heldout(self, fraction: float, seed: int = 0
-                      ) -> tuple["TokenizedDataset", "TokenizedDataset"]:
+    def split_heldout(
+        self, fraction: float, seed: int = 0
+    ) -> tuple[TokenizedDataset, TokenizedDataset]:
         """Split by conversation id (weighted copies share an id and stay on one side)."""
         groups = sorted(set(self.ids))
         n_held = int(round(fraction * len(groups)))
@@ -204,17 +246,25 @@ class TokenizedDataset:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, input_ids=flat_ids, loss_mask=flat_mask, lengths=self.lengths,
-                         ids=np.array(self.ids, dtype=np.str_),
-                         meta=np.array(json.dumps({"stats": self.stats, "pad_id": self.pad_id,
-                                                   "format": CACHE_FORMAT})))
+                np.savez(
+                    f,
+                    input_ids=flat_ids,
+                    loss_mask=flat_mask,
+                    lengths=self.lengths,
+                    ids=np.array(self.ids, dtype=np.str_),
+                    meta=np.array(
+                        json.dumps(
+                            {"stats": self.stats, "pad_id": self.pad_id, "format": CACHE_FORMAT}
+                        )
+                    ),
+                )
             os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache file
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
 
     @classmethod
-    def load(cls, path: Path) -> "TokenizedDataset":
+    def load(cls, path: Path) -> TokenizedDataset:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             bounds = np.cumsum(z["lengths"])[:-1]
@@ -227,7 +277,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256(_tok_name(tokenizer).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        h.update(backend.to_str().encode())   # vocab, merges, normalizer, special tokens
+        h.update(backend.to_str().encode())  # vocab, merges, normalizer, special tokens
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     return h.hexdigest()
@@ -236,13 +286,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_key(data_cfg, tokenizer, conversations, template_kwargs: dict | None = None) -> str:
     conv_h = hashlib.sha256()
     for c in conversations:
-        conv_h.update(json.dumps([c.id, c.messages], ensure_ascii=False,
-                                 sort_keys=True).encode())
+        conv_h.update(json.dumps([c.id, c.messages], ensure_ascii=False, sort_keys=True).encode())
         conv_h.update(b"\x00")
-    key = {"format": CACHE_FORMAT, "conversations": conv_h.hexdigest(),
-           "tokenizer": tokenizer_fingerprint(tokenizer), "template": tokenizer.chat_template,
-           "max_length": data_cfg.max_length, "overlong": data_cfg.overlong,
-           "min_supervised": data_cfg.min_supervised, "template_kwargs": template_kwargs or {}}
+    key = {
+        "format": CACHE_FORMAT,
+        "conversations": conv_h.hexdigest(),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "template": tokenizer.chat_template,
+        "max_length": data_cfg.max_length,
+        "overlong": data_cfg.overlong,
+        "min_supervised": data_cfg.min_supervised,
+        "template_kwargs": template_kwargs or {},
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -259,13 +314,20 @@ def _tokenize_all(tokenizer, conversations, data_cfg, template_kwargs, chunk: in
     stats = {k: 0 for k in _STAT_KEYS}
     out_ids, out_mask, out_cid = [], [], []
     for lo in range(0, len(conversations), chunk):
-        part = conversations[lo:lo + chunk]
-        rendered = [render_with_spans(tokenizer, c.messages, template_kwargs, specials)
-                    for c in part]
+        part = conversations[lo : lo + chunk]
+        rendered = [
+            render_with_spans(tokenizer, c.messages, template_kwargs, specials) for c in part
+        ]
         all_ids, all_offs = _encode(tokenizer, [t for t, _ in rendered])
         for c, (_, spans), ids, offs in zip(part, rendered, all_ids, all_offs):
-            ex = _finish(ids, _mask_from_offsets(offs, spans), data_cfg.max_length,
-                         data_cfg.overlong, data_cfg.min_supervised, stats)
+            ex = _finish(
+                ids,
+                _mask_from_offsets(offs, spans),
+                data_cfg.max_length,
+                data_cfg.overlong,
+                data_cfg.min_supervised,
+                stats,
+            )
             if ex is None:
                 continue
             out_ids.append(np.asarray(ex.input_ids, dtype=np.int32))
@@ -282,8 +344,9 @@ def pad_token_id(tokenizer) -> int:
     return int(pid) if pid is not None else 0
 
 
-def build_dataset(data_cfg, tokenizer, conversations, cache_dir=None,
-                  template_kwargs: dict | None = None) -> TokenizedDataset:
+def build_dataset(
+    data_cfg, tokenizer, conversations, cache_dir=None, template_kwargs: dict | None = None
+) -> TokenizedDataset:
     """Tokenize (or load from the disk cache) all conversations."""
     _check_template(tokenizer)
     if data_cfg.overlong not in ("truncate", "drop"):
@@ -299,8 +362,10 @@ def build_dataset(data_cfg, tokenizer, conversations, cache_dir=None,
             log.warning("tokenized data: ignoring unreadable cache %s (%s)", path, e)
     ids, masks, cids, stats = _tokenize_all(tokenizer, conversations, data_cfg, template_kwargs)
     if not ids:
-        raise UserError(f"no conversation survived tokenization ({stats}); raise data.max_length, "
-                        "use data.overlong=truncate or lower data.min_supervised.")
+        raise UserError(
+            f"no conversation survived tokenization ({stats}); raise data.max_length, "
+            "use data.overlong=truncate or lower data.min_supervised."
+        )
     ds = TokenizedDataset(ids, masks, cids, stats, pad_token_id(tokenizer))
     ds.save(path)
     log.info("tokenized data: %s -> %s", stats, path)

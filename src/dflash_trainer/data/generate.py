@@ -34,6 +34,7 @@ _PROVENANCE_KEYS = ("target", "max_new_tokens", "temperature", "top_p", "thinkin
 
 # ------------------------------------------------------------------------------------ resumable IO
 
+
 def read_done_ids(out_path: str | Path, expect: dict | None = None) -> set[str]:
     """Ids already in `out_path`; truncates a torn last line. `expect`: provenance to match."""
     path = Path(out_path)
@@ -43,8 +44,11 @@ def read_done_ids(out_path: str | Path, expect: dict | None = None) -> set[str]:
         data = f.read()
         end = data.rfind(b"\n") + 1
         if end < len(data):
-            log.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run",
-                        path, len(data) - end)
+            log.warning(
+                "%s: dropping a torn last line (%d bytes) left by an interrupted run",
+                path,
+                len(data) - end,
+            )
             f.truncate(end)
             f.flush()
             os.fsync(f.fileno())
@@ -56,8 +60,10 @@ def read_done_ids(out_path: str | Path, expect: dict | None = None) -> set[str]:
             rec = json.loads(line)
             rid = rec["id"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{path}:{lineno}: not a generate record (bad JSON or no 'id'). Delete "
-                            "that line, or choose another --output.") from None
+            raise UserError(
+                f"{path}:{lineno}: not a generate record (bad JSON or no 'id'). Delete "
+                "that line, or choose another --output."
+            ) from None
         if expect is not None:
             prov = rec.get("provenance", {})
             diff = [k for k in _PROVENANCE_KEYS if k in expect and prov.get(k) != expect[k]]
@@ -65,7 +71,8 @@ def read_done_ids(out_path: str | Path, expect: dict | None = None) -> set[str]:
                 raise UserError(
                     f"{path}:{lineno}: made with different settings ("
                     + ", ".join(f"{k}={prov.get(k)!r}, now {expect[k]!r}" for k in diff)
-                    + "). Resuming would mix them: choose another --output or delete the file.")
+                    + "). Resuming would mix them: choose another --output or delete the file."
+                )
         done.add(str(rid))
     return done
 
@@ -81,6 +88,7 @@ def _append_records(path: Path, records: list[dict]) -> None:
 
 # ---------------------------------------------------------------------------------- prompt shaping
 
+
 def prompt_messages(messages: list[dict]) -> list[dict]:
     """The prompt to regenerate from: the leading system/user turns before the first assistant
     turn (later turns depended on the old response, so they are dropped)."""
@@ -94,11 +102,14 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
 
 def _render(tokenizer, messages: list[dict], enable_thinking: bool) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError("the target's tokenizer has no chat template, so prompts cannot be "
-                        "rendered for generation; use an instruct/chat model as target.model.")
+        raise UserError(
+            "the target's tokenizer has no chat template, so prompts cannot be "
+            "rendered for generation; use an instruct/chat model as target.model."
+        )
     # Templates ignore variables they do not use, so enable_thinking is safe to pass to all.
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -107,17 +118,27 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
     return ids.to(device), mask.to(device)
 
 
 # -------------------------------------------------------------------------------------- generation
 
-def generate_responses(target, prompts, out_path: str | Path, *, max_new_tokens: int = 256,
-                       batch_size: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                       enable_thinking: bool = False, seed: int = 0,
-                       progress: bool = True) -> dict:
+
+def generate_responses(
+    target,
+    prompts,
+    out_path: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    enable_thinking: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Append one record per not-yet-done prompt to `out_path`. Returns counts and tokens/s.
 
     `prompts`: objects with `.id` and `.messages` (data.sources.Conversation). Greedy when
@@ -130,8 +151,13 @@ def generate_responses(target, prompts, out_path: str | Path, *, max_new_tokens:
         raise UserError("generate: --temperature must be >= 0 and --top-p in (0, 1].")
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    provenance = {"target": target.name, "max_new_tokens": max_new_tokens,
-                  "temperature": temperature, "top_p": top_p, "thinking": enable_thinking}
+    provenance = {
+        "target": target.name,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "thinking": enable_thinking,
+    }
     done = read_done_ids(path, expect=provenance)
 
     todo, seen = [], set(done)
@@ -145,8 +171,14 @@ def generate_responses(target, prompts, out_path: str | Path, *, max_new_tokens:
             continue
         todo.append((p.id, msgs, _render(target.tokenizer, msgs, enable_thinking)))
     todo.sort(key=lambda t: len(t[2]))
-    stats = {"skipped_done": len(done), "written": 0, "new_tokens": 0, "seconds": 0.0,
-             "tokens_per_s": 0.0, "output": str(path)}
+    stats = {
+        "skipped_done": len(done),
+        "written": 0,
+        "new_tokens": 0,
+        "seconds": 0.0,
+        "tokens_per_s": 0.0,
+        "output": str(path),
+    }
     if not todo:
         return stats
 
@@ -156,29 +188,42 @@ def generate_responses(target, prompts, out_path: str | Path, *, max_new_tokens:
     eos_t = torch.tensor(eos or [-1], device=target.device)
     # A fresh GenerationConfig: the model's own (e.g. Qwen3's sampling defaults) must not leak in.
     from transformers import GenerationConfig
+
     sample = temperature > 0
     gen_cfg = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos or None,
-        pad_token_id=pad_id, bos_token_id=tok.bos_token_id,
-        **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}))
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        eos_token_id=eos or None,
+        pad_token_id=pad_id,
+        bos_token_id=tok.bos_token_id,
+        **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}),
+    )
 
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(todo) + len(done), initial=len(done), unit="prompt",
-                   desc="generate", file=sys.stderr, dynamic_ncols=True)
+
+        bar = tqdm(
+            total=len(todo) + len(done),
+            initial=len(done),
+            unit="prompt",
+            desc="generate",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
     t0 = time.perf_counter()
     try:
         for b in range(0, len(todo), batch_size):
-            chunk = todo[b:b + batch_size]
+            chunk = todo[b : b + batch_size]
             ids, mask = _left_pad([t[2] for t in chunk], pad_id, target.device)
             # Seeded per batch from its first id, so a sampled batch does not depend on the ones
             # before it (resumed runs stay reproducible when the batches line up).
             torch.manual_seed(seed ^ zlib.crc32(chunk[0][0].encode()))
             with torch.no_grad():
-                out = target.model.generate(input_ids=ids, attention_mask=mask,
-                                             generation_config=gen_cfg)
-            new = out[:, ids.shape[1]:]
+                out = target.model.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=gen_cfg
+                )
+            new = out[:, ids.shape[1] :]
             # One host copy per batch (this is a CLI loop, not a training step).
             is_eos = torch.isin(new, eos_t)
             has_eos = is_eos.any(dim=1)
@@ -187,10 +232,16 @@ def generate_responses(target, prompts, out_path: str | Path, *, max_new_tokens:
             records = []
             for (pid, msgs, _), row, n, stopped in zip(chunk, new_l, n_l, eos_l):
                 text = tok.decode(row[:n], skip_special_tokens=True)
-                records.append({"id": pid,
-                                "messages": msgs + [{"role": "assistant", "content": text}],
-                                "provenance": {**provenance,
-                                               "finish_reason": "stop" if stopped else "length"}})
+                records.append(
+                    {
+                        "id": pid,
+                        "messages": msgs + [{"role": "assistant", "content": text}],
+                        "provenance": {
+                            **provenance,
+                            "finish_reason": "stop" if stopped else "length",
+                        },
+                    }
+                )
                 stats["new_tokens"] += n + int(stopped)
             _append_records(path, records)
             stats["written"] += len(records)
@@ -208,23 +259,30 @@ def generate_responses(target, prompts, out_path: str | Path, *, max_new_tokens:
 
 # ------------------------------------------------------------------------------------------ entries
 
+
 def _load_prompts(spec: str, cfg):
     if spec == "embedded":
         from dflash_trainer.models.embedded import embedded_prompts
+
         return embedded_prompts()
     try:
         from dflash_trainer.data.sources import load_sources
     except ImportError:
-        raise UserError("reading prompts from a file needs dflash_trainer.data.sources, which is "
-                        "missing from this install.") from None
+        raise UserError(
+            "reading prompts from a file needs dflash_trainer.data.sources, which is "
+            "missing from this install."
+        ) from None
     convs, _ = load_sources([spec], cfg.data.on_bad_record, cfg.data.roots)
     return convs
 
 
 def _print_summary(stats: dict) -> None:
-    print(f"generate: {stats['written']} new records ({stats['skipped_done']} already done) -> "
-          f"{stats['output']}; {stats['new_tokens']} tokens in {stats['seconds']:.1f} s = "
-          f"{stats['tokens_per_s']:.1f} tokens/s", flush=True)
+    print(
+        f"generate: {stats['written']} new records ({stats['skipped_done']} already done) -> "
+        f"{stats['output']}; {stats['new_tokens']} tokens in {stats['seconds']:.1f} s = "
+        f"{stats['tokens_per_s']:.1f} tokens/s",
+        flush=True,
+    )
 
 
 def generate_command(cfg, args) -> int:
@@ -233,15 +291,22 @@ def generate_command(cfg, args) -> int:
 
     prompts = _load_prompts(args.prompts, cfg)
     if args.limit and args.limit > 0:
-        prompts = prompts[:args.limit]
+        prompts = prompts[: args.limit]
     out = Path(args.output) if args.output else Path(cfg.run_dir) / "generated.jsonl"
     if cfg.pipeline.cpu_threads > 0:
         torch.set_num_threads(cfg.pipeline.cpu_threads)
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     stats = generate_responses(
-        target, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        temperature=args.temperature, top_p=args.top_p,
-        enable_thinking=cfg.target.enable_thinking, seed=cfg.pipeline.seed)
+        target,
+        prompts,
+        out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        enable_thinking=cfg.target.enable_thinking,
+        seed=cfg.pipeline.seed,
+    )
     _print_summary(stats)
     return 0
 
@@ -249,8 +314,14 @@ def generate_command(cfg, args) -> int:
 def embedded_responses_path(cfg) -> Path:
     """Cache path of the embedded data set for this target and these generation settings."""
     from dflash_trainer.models.embedded import cache_root
-    key = {"target": cfg.target.model, "dtype": cfg.target.dtype,
-           "thinking": cfg.target.enable_thinking, "seed": cfg.pipeline.seed, **EMBEDDED_GEN}
+
+    key = {
+        "target": cfg.target.model,
+        "dtype": cfg.target.dtype,
+        "thinking": cfg.target.enable_thinking,
+        "seed": cfg.pipeline.seed,
+        **EMBEDDED_GEN,
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root(cfg.target.cache_dir) / "responses" / f"{digest}.jsonl"
 
@@ -269,13 +340,24 @@ def ensure_embedded_responses(cfg, target=None) -> Path:
         return path
     if target is None:
         from dflash_trainer.models.target import TargetModel
+
         target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
-    print(f"dflash-trainer: regenerating the embedded data set with {cfg.target.model} into "
-          f"{path} (one time; resumable)", file=sys.stderr, flush=True)
+    print(
+        f"dflash-trainer: regenerating the embedded data set with {cfg.target.model} into "
+        f"{path} (one time; resumable)",
+        file=sys.stderr,
+        flush=True,
+    )
     stats = generate_responses(
-        target, prompts, path, max_new_tokens=EMBEDDED_GEN["max_new_tokens"],
-        batch_size=EMBEDDED_GEN["batch_size"], temperature=EMBEDDED_GEN["temperature"],
-        top_p=EMBEDDED_GEN["top_p"], enable_thinking=cfg.target.enable_thinking,
-        seed=cfg.pipeline.seed)
+        target,
+        prompts,
+        path,
+        max_new_tokens=EMBEDDED_GEN["max_new_tokens"],
+        batch_size=EMBEDDED_GEN["batch_size"],
+        temperature=EMBEDDED_GEN["temperature"],
+        top_p=EMBEDDED_GEN["top_p"],
+        enable_thinking=cfg.target.enable_thinking,
+        seed=cfg.pipeline.seed,
+    )
     _print_summary(stats)
     return path

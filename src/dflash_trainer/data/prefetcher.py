@@ -31,8 +31,12 @@ from collections import deque
 import numpy as np
 import torch
 
-from dflash_trainer.data.batching import (EpochPlan, bucket_edges, bucket_entropy,
-                                         plan_epoch_detailed)
+from dflash_trainer.data.batching import (
+    EpochPlan,
+    bucket_edges,
+    bucket_entropy,
+    plan_epoch_detailed,
+)
 from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.pipeline.messages import Batch, End, EpochEnd, StageFailure, WorkItem
 from dflash_trainer.pipeline.queues import Stopped
@@ -53,12 +57,18 @@ def build_batch(dataset, indices, pad_multiple: int, pad_id: int) -> Batch:
         ids[r, :n] = dataset.input_ids[i]
         mask[r, :n] = dataset.loss_mask[i]
         attn[r, :n] = 1
-    return Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(attn),
-                 torch.as_tensor(np.asarray(indices, dtype=np.int64)), int(lens.sum()))
+    return Batch(
+        torch.from_numpy(ids),
+        torch.from_numpy(mask),
+        torch.from_numpy(attn),
+        torch.as_tensor(np.asarray(indices, dtype=np.int64)),
+        int(lens.sum()),
+    )
 
 
-def plan_skipping(lengths, batching_cfg, epoch: int, rank: int = 0, world_size: int = 1,
-                  skip_samples=None) -> EpochPlan:
+def plan_skipping(
+    lengths, batching_cfg, epoch: int, rank: int = 0, world_size: int = 1, skip_samples=None
+) -> EpochPlan:
     """`plan_epoch_detailed` over the samples not in `skip_samples` (dataset indices).
 
     Used for the first epoch of a run resumed on another world size: the rest of the epoch is
@@ -73,10 +83,22 @@ def plan_skipping(lengths, batching_cfg, epoch: int, rank: int = 0, world_size: 
 
 
 class BatchPrefetcher(threading.Thread):
-    def __init__(self, dataset, batching_cfg, work_q, stop: threading.Event, failures, epochs: int,
-                 rank: int = 0, world_size: int = 1, pin_memory: bool = False,
-                 start: tuple[int, int] = (0, 0), history: int = 256, name: str = "prefetch",
-                 skip_samples=None):
+    def __init__(
+        self,
+        dataset,
+        batching_cfg,
+        work_q,
+        stop: threading.Event,
+        failures,
+        epochs: int,
+        rank: int = 0,
+        world_size: int = 1,
+        pin_memory: bool = False,
+        start: tuple[int, int] = (0, 0),
+        history: int = 256,
+        name: str = "prefetch",
+        skip_samples=None,
+    ):
         super().__init__(name=name, daemon=True)
         self.dataset = dataset
         self.cfg = batching_cfg
@@ -99,7 +121,7 @@ class BatchPrefetcher(threading.Thread):
         # Edges depend only on the lengths and the config, so they are fixed for the run.
         self.num_buckets = len(bucket_edges(dataset.lengths, batching_cfg)) + 1
         self.bucket_batches: list[int] = [0] * self.num_buckets
-        self.recent: deque = deque(maxlen=history)          # (bucket, rows, real, padded, max_len)
+        self.recent: deque = deque(maxlen=history)  # (bucket, rows, real, padded, max_len)
         self.recent_lengths: deque = deque(maxlen=history * 16)
         self.dropped_batches = 0
         self.dropped_samples = 0
@@ -107,15 +129,17 @@ class BatchPrefetcher(threading.Thread):
     # ---- planning ----
     def plan(self, epoch: int) -> EpochPlan:
         skip = self.skip_samples if epoch == self.start_position[0] else None
-        return plan_skipping(self.dataset.lengths, self.cfg, epoch, self.rank, self.world_size,
-                             skip)
+        return plan_skipping(
+            self.dataset.lengths, self.cfg, epoch, self.rank, self.world_size, skip
+        )
 
     def batches_in_epoch(self, epoch: int) -> int:
         return len(self.plan(epoch).batches)
 
     @staticmethod
-    def resume_position(last_consumed_epoch: int, last_consumed_seq_no: int,
-                        batches_in_epoch: int) -> tuple[int, int]:
+    def resume_position(
+        last_consumed_epoch: int, last_consumed_seq_no: int, batches_in_epoch: int
+    ) -> tuple[int, int]:
         """(epoch, seq_no) of the first batch NOT yet consumed. seq_no -1 = none of that epoch."""
         nxt = last_consumed_seq_no + 1
         if nxt >= batches_in_epoch:
@@ -126,10 +150,10 @@ class BatchPrefetcher(threading.Thread):
     def run(self) -> None:
         try:
             self._run()
-            self._report(End(self.name))       # the supervisor's proof of a normal end
+            self._report(End(self.name))  # the supervisor's proof of a normal end
         except Stopped:
             self._report(End(self.name))
-        except BaseException as e:  # noqa: BLE001 - every failure crosses to the supervisor
+        except BaseException as e:  # every failure crosses to the supervisor
             self.counters.errors += 1
             self._report(StageFailure.capture("prefetch", e))
 
@@ -185,7 +209,7 @@ class BatchPrefetcher(threading.Thread):
     # ---- monitor side (reads only) ----
     def composition(self) -> dict[str, float]:
         """Batch-composition metrics over the recent window (observability.md §7.5)."""
-        recent = list(self.recent)          # one C-level copy; safe against the writer
+        recent = list(self.recent)  # one C-level copy; safe against the writer
         lens = np.asarray(list(self.recent_lengths), dtype=np.float64)
         if not recent:
             return {}
@@ -196,14 +220,19 @@ class BatchPrefetcher(threading.Thread):
             "batch/tokens_real": float(arr[:, 2].mean()),
             "batch/tokens_padded": float(arr[:, 3].mean()),
             "batch/padding_eff": float(arr[:, 2].sum() / max(arr[:, 3].sum(), 1.0)),
-            "batch/bucket_entropy": bucket_entropy(buckets, self.num_buckets,
-                                                   window=min(64, len(buckets))),
+            "batch/bucket_entropy": bucket_entropy(
+                buckets, self.num_buckets, window=min(64, len(buckets))
+            ),
         }
         if len(lens):
-            out.update({"batch/len_mean": float(lens.mean()),
-                        "batch/len_p50": float(np.percentile(lens, 50)),
-                        "batch/len_p95": float(np.percentile(lens, 95)),
-                        "batch/len_max": float(lens.max())})
+            out.update(
+                {
+                    "batch/len_mean": float(lens.mean()),
+                    "batch/len_p50": float(np.percentile(lens, 50)),
+                    "batch/len_p95": float(np.percentile(lens, 95)),
+                    "batch/len_max": float(lens.max()),
+                }
+            )
         frac = np.bincount(buckets, minlength=self.num_buckets) / len(buckets)
         for k in range(self.num_buckets):
             out[f"batch/bucket/{k}_frac"] = float(frac[k])

@@ -24,6 +24,7 @@ def resolve_sources(cfg, target=None) -> list[str]:
         path, weight = parse_source_spec(spec)
         if path == "embedded":
             from dflash_trainer.data.generate import ensure_embedded_responses
+
             resolved = ensure_embedded_responses(cfg, target=target)
             out.append(f"{resolved}@{weight}" if weight != 1.0 else str(resolved))
         else:
@@ -33,8 +34,9 @@ def resolve_sources(cfg, target=None) -> list[str]:
 
 def prepare_data(cfg, tokenizer, target=None):
     sources = resolve_sources(cfg, target)
-    convs, report = load_sources(sources, cfg.data.on_bad_record, tuple(cfg.data.roots),
-                                 seed=cfg.pipeline.seed)
+    convs, report = load_sources(
+        sources, cfg.data.on_bad_record, tuple(cfg.data.roots), seed=cfg.pipeline.seed
+    )
     log.info("data: %s", report.summary() if hasattr(report, "summary") else report)
     dataset = build_dataset(cfg.data, tokenizer, convs)
     log.info("tokenized: %s", dataset.stats)

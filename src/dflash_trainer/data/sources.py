@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -35,27 +36,32 @@ from dflash_trainer.errors import DataError, UserError
 SKIP_HINT = "set data.on_bad_record=skip to skip such records"
 
 # ShareGPT speaker names -> OpenAI roles.
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 _OPENAI_ROLES = ("system", "user", "assistant")
 
 
 @dataclass
 class Conversation:
     id: str
-    messages: list[dict]   # [{"role": "system|user|assistant", "content": str}]
-    source: str            # the file/dir it came from
+    messages: list[dict]  # [{"role": "system|user|assistant", "content": str}]
+    source: str  # the file/dir it came from
 
 
 @dataclass
 class SourceStats:
     path: str
     weight: float
-    read: int = 0           # records read (good or bad)
-    bad: int = 0            # malformed records skipped (on_bad_record=skip)
+    read: int = 0  # records read (good or bad)
+    bad: int = 0  # malformed records skipped (on_bad_record=skip)
     dropped_empty: int = 0  # empty conversations or no assistant turn with content
-    kept: int = 0           # valid conversations before weighting
-    sampled: int = 0        # conversations contributed after weighting
+    kept: int = 0  # valid conversations before weighting
+    sampled: int = 0  # conversations contributed after weighting
     first_errors: list[str] = field(default_factory=list)  # a few skipped-record messages
 
 
@@ -67,14 +73,20 @@ class SourceReport:
         return sum(getattr(s, name) for s in self.sources)
 
     def as_dict(self) -> dict:
-        return {s.path: {k: getattr(s, k) for k in
-                         ("weight", "read", "bad", "dropped_empty", "kept", "sampled")}
-                for s in self.sources}
+        return {
+            s.path: {
+                k: getattr(s, k)
+                for k in ("weight", "read", "bad", "dropped_empty", "kept", "sampled")
+            }
+            for s in self.sources
+        }
 
     def summary(self) -> str:
-        parts = [f"{Path(s.path).name}@{s.weight:g}: read {s.read}, bad {s.bad}, "
-                 f"dropped {s.dropped_empty}, kept {s.kept}, sampled {s.sampled}"
-                 for s in self.sources]
+        parts = [
+            f"{Path(s.path).name}@{s.weight:g}: read {s.read}, bad {s.bad}, "
+            f"dropped {s.dropped_empty}, kept {s.kept}, sampled {s.sampled}"
+            for s in self.sources
+        ]
         return "; ".join(parts)
 
 
@@ -91,6 +103,7 @@ class _BadRecord(Exception):
 # Source specs and paths
 # --------------------------------------------------------------------------------------------
 
+
 def parse_source_spec(spec: str) -> tuple[str, float]:
     """'path@W' -> (path, W); '@' followed by something that is not a number belongs to the path."""
     if "@" in spec:
@@ -100,33 +113,42 @@ def parse_source_spec(spec: str) -> tuple[str, float]:
         except ValueError:
             return spec, 1.0
         if not math.isfinite(weight) or weight < 0:
-            raise UserError(f"data.sources: weight {w!r} in {spec!r} must be a finite number >= 0 "
-                            "(e.g. 'data.jsonl@2').")
+            raise UserError(
+                f"data.sources: weight {w!r} in {spec!r} must be a finite number >= 0 "
+                "(e.g. 'data.jsonl@2')."
+            )
         return path, weight
     return spec, 1.0
 
 
 def _resolve(path_str: str, roots: tuple | list) -> Path:
     if path_str == "embedded":
-        raise UserError("data.sources: 'embedded' must be resolved to a file first "
-                        "(dflash_trainer.data.generate.ensure_embedded_responses).")
+        raise UserError(
+            "data.sources: 'embedded' must be resolved to a file first "
+            "(dflash_trainer.data.generate.ensure_embedded_responses)."
+        )
     p = Path(path_str).expanduser()
     if not p.exists():
-        raise UserError(f"data.sources: '{path_str}' does not exist. Check the path (relative "
-                        "paths are relative to the working directory).")
+        raise UserError(
+            f"data.sources: '{path_str}' does not exist. Check the path (relative "
+            "paths are relative to the working directory)."
+        )
     rp = p.resolve()
     if roots:
         rroots = [Path(r).expanduser().resolve() for r in roots]
         if not any(rp == r or rp.is_relative_to(r) for r in rroots):
-            raise UserError(f"data.sources: '{path_str}' lies outside the allowed data roots "
-                            f"({', '.join(map(str, rroots))}); move it there or add its dir to "
-                            "data.roots.")
+            raise UserError(
+                f"data.sources: '{path_str}' lies outside the allowed data roots "
+                f"({', '.join(map(str, rroots))}); move it there or add its dir to "
+                "data.roots."
+            )
     return p
 
 
 # --------------------------------------------------------------------------------------------
 # Readers: yield (locator, record dict or _BadRecord)
 # --------------------------------------------------------------------------------------------
+
 
 def _read_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
     with open(p, "rb") as f:
@@ -139,12 +161,18 @@ def _read_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield loc, _BadRecord("<bytes>", f"not valid UTF-8 (byte offset {e.start} in the "
-                                      "line); re-encode the file as UTF-8")
+                yield (
+                    loc,
+                    _BadRecord(
+                        "<bytes>",
+                        f"not valid UTF-8 (byte offset {e.start} in the "
+                        "line); re-encode the file as UTF-8",
+                    ),
+                )
                 continue
             finally:
-                del raw   # free the bytes before parsing: peak = decoded line + parsed record
-            if not text or text.isspace():   # (strip() would copy a huge line)
+                del raw  # free the bytes before parsing: peak = decoded line + parsed record
+            if not text or text.isspace():  # (strip() would copy a huge line)
                 continue
             try:
                 rec = json.loads(text)
@@ -158,19 +186,24 @@ def _read_json(p: Path) -> Iterator[tuple[str, Any]]:
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{p}: not valid UTF-8 (byte offset {e.start}); re-encode the file as "
-                        "UTF-8.") from None
+        raise DataError(
+            f"{p}: not valid UTF-8 (byte offset {e.start}); re-encode the file as UTF-8."
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{p}: line {e.lineno}: invalid JSON ({e.msg} at column {e.colno}). A JSON "
-                        "source must be a list of records or {\"data\": [...]}; use .jsonl for one "
-                        "record per line.") from None
+        raise DataError(
+            f"{p}: line {e.lineno}: invalid JSON ({e.msg} at column {e.colno}). A JSON "
+            'source must be a list of records or {"data": [...]}; use .jsonl for one '
+            "record per line."
+        ) from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
-        raise DataError(f"{p}: a JSON source must be a list of records or {{\"data\": [...]}}, got "
-                        f"{type(data).__name__}.")
+        raise DataError(
+            f'{p}: a JSON source must be a list of records or {{"data": [...]}}, got '
+            f"{type(data).__name__}."
+        )
     for i, rec in enumerate(data):
         yield f"item {i}", rec
 
@@ -193,8 +226,10 @@ def _read_hf_dir(p: Path) -> Iterator[tuple[str, Any]]:
     try:
         import datasets
     except ImportError:
-        raise UserError(f"{p} is a Hugging Face dataset dir; reading it needs the `datasets` "
-                        "package: pip install 'dflash-trainer[hf]'.") from None
+        raise UserError(
+            f"{p} is a Hugging Face dataset dir; reading it needs the `datasets` "
+            "package: pip install 'dflash-trainer[hf]'."
+        ) from None
     ds = datasets.load_from_disk(str(p))
     if isinstance(ds, datasets.DatasetDict):
         if "train" in ds:
@@ -202,20 +237,27 @@ def _read_hf_dir(p: Path) -> Iterator[tuple[str, Any]]:
         elif len(ds) == 1:
             ds = next(iter(ds.values()))
         else:
-            raise UserError(f"{p}: a DatasetDict with splits {sorted(ds)} and no 'train'; point "
-                            f"data.sources at one split dir (e.g. {p}/{sorted(ds)[0]}).")
+            raise UserError(
+                f"{p}: a DatasetDict with splits {sorted(ds)} and no 'train'; point "
+                f"data.sources at one split dir (e.g. {p}/{sorted(ds)[0]})."
+            )
     for i, rec in enumerate(ds):
         yield f"row {i}", rec
 
 
 def _reader_for(p: Path):
     if p.is_dir():
-        if (p / "dataset_info.json").exists() or (p / "state.json").exists() or \
-                (p / "dataset_dict.json").exists():
+        if (
+            (p / "dataset_info.json").exists()
+            or (p / "state.json").exists()
+            or (p / "dataset_dict.json").exists()
+        ):
             return _read_hf_dir
-        raise UserError(f"data.sources: '{p}' is a directory but not a dataset saved with "
-                        "datasets.save_to_disk (no dataset_info.json/state.json); list the files "
-                        "instead.")
+        raise UserError(
+            f"data.sources: '{p}' is a directory but not a dataset saved with "
+            "datasets.save_to_disk (no dataset_info.json/state.json); list the files "
+            "instead."
+        )
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl
@@ -223,13 +265,16 @@ def _reader_for(p: Path):
         return _read_json
     if suffix in (".parquet", ".pq"):
         return _read_parquet
-    raise UserError(f"data.sources: '{p}' has an unknown extension '{p.suffix}'; use .jsonl, "
-                    ".json, .parquet or a save_to_disk dir.")
+    raise UserError(
+        f"data.sources: '{p}' has an unknown extension '{p.suffix}'; use .jsonl, "
+        ".json, .parquet or a save_to_disk dir."
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Record validation
 # --------------------------------------------------------------------------------------------
+
 
 def _content(value: Any, field_name: str) -> str:
     if isinstance(value, str):
@@ -240,10 +285,15 @@ def _content(value: Any, field_name: str) -> str:
     if isinstance(value, list):
         out = []
         for j, part in enumerate(value):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise _BadRecord(f"{field_name}[{j}]", "only text content parts "
-                                 "({'type': 'text', 'text': str}) are supported")
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise _BadRecord(
+                    f"{field_name}[{j}]",
+                    "only text content parts ({'type': 'text', 'text': str}) are supported",
+                )
             out.append(part["text"])
         return "".join(out)
     raise _BadRecord(field_name, f"expected a string, got {type(value).__name__}")
@@ -258,8 +308,11 @@ def parse_record(rec: Any) -> tuple[Any, list[dict]]:
     elif "conversations" in rec and rec["conversations"] is not None:
         key, role_key, text_key, roles = "conversations", "from", "value", _SHAREGPT_ROLES
     else:
-        raise _BadRecord("messages", "missing: a record needs 'messages' (OpenAI: role/content) "
-                         "or 'conversations' (ShareGPT: from/value)")
+        raise _BadRecord(
+            "messages",
+            "missing: a record needs 'messages' (OpenAI: role/content) "
+            "or 'conversations' (ShareGPT: from/value)",
+        )
     turns = rec[key]
     if not isinstance(turns, list):
         raise _BadRecord(key, f"expected a list, got {type(turns).__name__}")
@@ -275,12 +328,16 @@ def parse_record(rec: Any) -> tuple[Any, list[dict]]:
             raise _BadRecord(f"{where}.{role_key}", f"expected a string, got {type(role).__name__}")
         if roles is None:
             if role not in _OPENAI_ROLES:
-                raise _BadRecord(f"{where}.{role_key}", f"unknown role {role!r} (expected one of "
-                                 f"{', '.join(_OPENAI_ROLES)})")
+                raise _BadRecord(
+                    f"{where}.{role_key}",
+                    f"unknown role {role!r} (expected one of {', '.join(_OPENAI_ROLES)})",
+                )
         else:
             if role not in roles:
-                raise _BadRecord(f"{where}.{role_key}", f"unknown speaker {role!r} (expected one "
-                                 f"of {', '.join(roles)})")
+                raise _BadRecord(
+                    f"{where}.{role_key}",
+                    f"unknown speaker {role!r} (expected one of {', '.join(roles)})",
+                )
             role = roles[role]
         if text_key not in t:
             raise _BadRecord(f"{where}.{text_key}", "missing")
@@ -292,16 +349,19 @@ def parse_record(rec: Any) -> tuple[Any, list[dict]]:
 
 
 def _has_response(messages: list[dict]) -> bool:
-    return any(m["role"] == "assistant" and m["content"] and not m["content"].isspace()
-               for m in messages)
+    return any(
+        m["role"] == "assistant" and m["content"] and not m["content"].isspace() for m in messages
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
 
-def read_source(path: str | Path, on_bad_record: str = "error", roots=(),
-                stats: SourceStats | None = None) -> list[Conversation]:
+
+def read_source(
+    path: str | Path, on_bad_record: str = "error", roots=(), stats: SourceStats | None = None
+) -> list[Conversation]:
     """Read one source (no weighting). Counts go to `stats`."""
     if on_bad_record not in ("error", "skip"):
         raise UserError(f"data.on_bad_record: {on_bad_record!r} is not 'error' or 'skip'.")
@@ -345,8 +405,9 @@ def _resample(convs: list[Conversation], weight: float, rng: np.random.Generator
     return [c for c, k in zip(convs, counts.tolist()) for _ in range(k)]
 
 
-def load_sources(sources: list[str], on_bad_record: str = "error", roots=(),
-                 seed: int = 0) -> tuple[list[Conversation], SourceReport]:
+def load_sources(
+    sources: list[str], on_bad_record: str = "error", roots=(), seed: int = 0
+) -> tuple[list[Conversation], SourceReport]:
     """Read and mix all sources. Returns (conversations in source order, report)."""
     if not sources:
         raise UserError("data.sources is empty; give at least one file or dataset dir.")
@@ -362,6 +423,8 @@ def load_sources(sources: list[str], on_bad_record: str = "error", roots=(),
         stats.sampled = len(picked)
         out.extend(picked)
     if not out:
-        raise DataError("no usable conversations in data.sources (" + report.summary() + "); "
-                        "every record was empty, had no assistant reply, or was skipped.")
+        raise DataError(
+            "no usable conversations in data.sources (" + report.summary() + "); "
+            "every record was empty, had no assistant reply, or was skipped."
+        )
     return out, report

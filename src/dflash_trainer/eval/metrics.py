@@ -12,8 +12,9 @@ Conventions (method doc §3, z-lab benchmark):
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass
@@ -24,13 +25,13 @@ class EvalSummary:
     num_tokens: int
     tau: float
     tau_token_weighted: float
-    histogram: list[float]                   # [k-1] = share of cycles that committed k tokens
-    position_acceptance: list[float]         # [i-1] = share of cycles that accepted draft slot i
-    tpot: float                              # seconds/token with the drafter (mean over responses)
-    draft_share: float                       # drafter time / (drafter + verify) time
-    ar_tpot: float | None = None             # seconds/token, AR baseline
+    histogram: list[float]  # [k-1] = share of cycles that committed k tokens
+    position_acceptance: list[float]  # [i-1] = share of cycles that accepted draft slot i
+    tpot: float  # seconds/token with the drafter (mean over responses)
+    draft_share: float  # drafter time / (drafter + verify) time
+    ar_tpot: float | None = None  # seconds/token, AR baseline
     speedup: float | None = None
-    outputs_match: float | None = None       # share of responses where spec == AR tokens
+    outputs_match: float | None = None  # share of responses where spec == AR tokens
     spec_results: list[Any] = field(default_factory=list, repr=False)
     ar_results: list[Any] = field(default_factory=list, repr=False)
 
@@ -43,10 +44,26 @@ class EvalSummary:
         return None if self.outputs_match is None else self.outputs_match == 1.0
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in (
-            "block_size", "num_responses", "num_cycles", "num_tokens", "tau", "tau_token_weighted",
-            "histogram", "position_acceptance", "tpot", "draft_share", "ar_tpot", "speedup",
-            "outputs_match", "tokens_per_s", "lossless")}
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "block_size",
+                "num_responses",
+                "num_cycles",
+                "num_tokens",
+                "tau",
+                "tau_token_weighted",
+                "histogram",
+                "position_acceptance",
+                "tpot",
+                "draft_share",
+                "ar_tpot",
+                "speedup",
+                "outputs_match",
+                "tokens_per_s",
+                "lossless",
+            )
+        }
         d["acceptance_lengths"] = [r.acceptance_lengths for r in self.spec_results]
         return d
 
@@ -55,8 +72,9 @@ def _mean(xs: Sequence[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
-def position_acceptance(accepted: Sequence[int], block_sizes: Sequence[int],
-                        block_size: int) -> list[float]:
+def position_acceptance(
+    accepted: Sequence[int], block_sizes: Sequence[int], block_size: int
+) -> list[float]:
     """Per draft slot i (1..block_size-1): accepted in what share of the cycles that drafted it."""
     hits = [0] * (block_size - 1)
     seen = [0] * (block_size - 1)
@@ -79,7 +97,9 @@ def summarize(spec: Sequence[Any], ar: Sequence[Any] | None, block_size: int) ->
     draft_t = sum(r.draft_time for r in spec)
     verify_t = sum(r.verify_time for r in spec)
     s = EvalSummary(
-        block_size=block_size, num_responses=len(spec), num_cycles=len(lengths),
+        block_size=block_size,
+        num_responses=len(spec),
+        num_cycles=len(lengths),
         num_tokens=sum(r.num_tokens for r in spec),
         tau=_mean(per_response) if per_response else 1.0,
         tau_token_weighted=sum(lengths) / len(lengths) if lengths else 1.0,
@@ -87,7 +107,8 @@ def summarize(spec: Sequence[Any], ar: Sequence[Any] | None, block_size: int) ->
         position_acceptance=position_acceptance(accepted, sizes, block_size),
         tpot=_mean([r.tpot for r in spec]),
         draft_share=draft_t / (draft_t + verify_t) if draft_t + verify_t > 0 else 0.0,
-        spec_results=list(spec))
+        spec_results=list(spec),
+    )
     if ar:
         if len(ar) != len(spec):
             raise ValueError(f"{len(ar)} AR results for {len(spec)} spec results")
@@ -100,13 +121,17 @@ def summarize(spec: Sequence[Any], ar: Sequence[Any] | None, block_size: int) ->
 
 def format_table(results: dict[str, EvalSummary]) -> str:
     """One line per dataset: tau, speedup, tokens/s, n."""
-    head = (f"{'dataset':<16}{'n':>5}{'tau':>7}{'tau_tok':>9}{'speedup':>9}{'tok/s':>9}"
-            f"{'AR tok/s':>10}{'match':>7}")
+    head = (
+        f"{'dataset':<16}{'n':>5}{'tau':>7}{'tau_tok':>9}{'speedup':>9}{'tok/s':>9}"
+        f"{'AR tok/s':>10}{'match':>7}"
+    )
     rows = [head, "-" * len(head)]
     for name, s in results.items():
         sp = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
         ar = f"{1 / s.ar_tpot:.1f}" if s.ar_tpot else "-"
         m = f"{s.outputs_match:.2f}" if s.outputs_match is not None else "-"
-        rows.append(f"{name[:15]:<16}{s.num_responses:>5}{s.tau:>7.2f}{s.tau_token_weighted:>9.2f}"
-                    f"{sp:>9}{s.tokens_per_s:>9.1f}{ar:>10}{m:>7}")
+        rows.append(
+            f"{name[:15]:<16}{s.num_responses:>5}{s.tau:>7.2f}{s.tau_token_weighted:>9.2f}"
+            f"{sp:>9}{s.tokens_per_s:>9.1f}{ar:>10}{m:>7}"
+        )
     return "\n".join(rows)

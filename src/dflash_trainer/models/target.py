@@ -48,24 +48,31 @@ def tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
             f"target.num_taps={num_taps} is too many for a target with {num_layers} layers: the "
             f"DFlash rule gives {ids}, which are not {num_taps} distinct layers in "
             f"0..{num_layers - 1}. Lower target.num_taps (at most {max(1, num_layers - 3)}) or "
-            "list the layers in target.taps.")
+            "list the layers in target.taps."
+        )
     return ids
 
 
 def validate_taps(taps: list[int], num_layers: int) -> list[int]:
     """Check an explicit `target.taps` list against the target's layer count."""
     if not taps:
-        raise UserError("target.taps is empty; list at least one 0-based layer id, or leave it "
-                        "empty in the config to use target.num_taps and the DFlash rule.")
+        raise UserError(
+            "target.taps is empty; list at least one 0-based layer id, or leave it "
+            "empty in the config to use target.num_taps and the DFlash rule."
+        )
     for t in taps:
         if not isinstance(t, int) or isinstance(t, bool):
             raise UserError(f"target.taps: {t!r} is not an integer layer id.")
         if not 0 <= t < num_layers:
-            raise UserError(f"target.taps: layer {t} does not exist; the target has {num_layers} "
-                            f"layers (0..{num_layers - 1}).")
+            raise UserError(
+                f"target.taps: layer {t} does not exist; the target has {num_layers} "
+                f"layers (0..{num_layers - 1})."
+            )
     if any(b <= a for a, b in zip(taps, taps[1:])):
-        raise UserError(f"target.taps must be strictly increasing (no repeats), got {list(taps)}; "
-                        "the feature order follows the layer order.")
+        raise UserError(
+            f"target.taps must be strictly increasing (no repeats), got {list(taps)}; "
+            "the feature order follows the layer order."
+        )
     return list(taps)
 
 
@@ -76,7 +83,8 @@ def resolve_layer_ids(target_cfg, num_layers: int) -> list[int]:
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of an HF causal LM (Llama, Qwen2/3, Mistral, Gemma...: model.model.layers)."""
+    """The decoder layer list of an HF causal LM (Llama, Qwen2/3, Mistral, Gemma...:
+    model.model.layers)."""
     for path in ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers"):
         obj = model
         for part in path.split("."):
@@ -85,9 +93,11 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
                 break
         if isinstance(obj, nn.ModuleList):
             return obj
-    raise UserError(f"cannot find the decoder layers of {type(model).__name__}: expected "
-                    "`model.model.layers` (Llama/Qwen-style causal LM). This target "
-                    "architecture is not supported.")
+    raise UserError(
+        f"cannot find the decoder layers of {type(model).__name__}: expected "
+        "`model.model.layers` (Llama/Qwen-style causal LM). This target "
+        "architecture is not supported."
+    )
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -115,8 +125,11 @@ class TargetModel:
         self._layers = _decoder_layers(model)
         self.num_layers = len(self._layers)
         self.layer_ids = validate_taps(list(layer_ids), self.num_layers)
-        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        text_cfg = (
+            model.config.get_text_config()
+            if hasattr(model.config, "get_text_config")
             else model.config
+        )
         self.hidden_size = int(text_cfg.hidden_size)
         emb = model.get_input_embeddings()
         self.embed_weight = emb.weight
@@ -130,26 +143,33 @@ class TargetModel:
         fwd = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
         self._state = threading.local()
-        self._hooks = [self._layers[lid].register_forward_hook(self._make_hook(k))
-                       for k, lid in enumerate(self.layer_ids)]
+        self._hooks = [
+            self._layers[lid].register_forward_hook(self._make_hook(k))
+            for k, lid in enumerate(self.layer_ids)
+        ]
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_hf(cls, model: nn.Module, tokenizer, layer_ids: list[int],
-                name: str = "") -> "TargetModel":
+    def from_hf(
+        cls, model: nn.Module, tokenizer, layer_ids: list[int], name: str = ""
+    ) -> TargetModel:
         """Wrap an already-built HF model (tests, or callers that load it themselves)."""
         return cls(model, tokenizer, layer_ids, name or type(model).__name__)
 
     @classmethod
-    def load(cls, target_cfg, device: str | torch.device = "cpu") -> "TargetModel":
-        """Load `target_cfg.model` (local dir, hub name, or 'embedded:smollm2'), frozen, eval mode."""
+    def load(cls, target_cfg, device: str | torch.device = "cpu") -> TargetModel:
+        """Load `target_cfg.model` (local dir, hub name, or 'embedded:smollm2'), frozen, in eval
+        mode."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         name = target_cfg.model
         if name.startswith(EMBEDDED_PREFIX):
             from dflash_trainer.models.embedded import embedded_target_dir
-            path = str(embedded_target_dir(target_cfg.cache_dir, which=name[len(EMBEDDED_PREFIX):]))
+
+            path = str(
+                embedded_target_dir(target_cfg.cache_dir, which=name[len(EMBEDDED_PREFIX) :])
+            )
         else:
             path = name
         dtype = _DTYPES[target_cfg.dtype]
@@ -160,12 +180,16 @@ class TargetModel:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trc)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trc)
         except (OSError, ValueError) as e:
-            hint = ("it is not a local directory, so it must be a Hugging Face hub name that is "
-                    "reachable or already in the HF cache" if not Path(path).is_dir()
-                    else "the directory does not hold a loadable HF causal LM")
-            raise UserError(f"target.model: cannot load '{name}': {hint}. Cause: "
-                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
-                from None
+            hint = (
+                "it is not a local directory, so it must be a Hugging Face hub name that is "
+                "reachable or already in the HF cache"
+                if not Path(path).is_dir()
+                else "the directory does not hold a loadable HF causal LM"
+            )
+            raise UserError(
+                f"target.model: cannot load '{name}': {hint}. Cause: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from None
         model.to(device)
         layers = _decoder_layers(model)
         layer_ids = resolve_layer_ids(target_cfg, len(layers))
@@ -178,7 +202,7 @@ class TargetModel:
 
         def hook(module, args, output):
             slots = getattr(self._state, "slots", None)
-            if slots is None:           # no capture active: a plain model call
+            if slots is None:  # no capture active: a plain model call
                 return None
             # Decoder layers return a tensor in transformers 5, a tuple in 4.x.
             slots[k] = output[0] if isinstance(output, tuple) else output
@@ -202,8 +226,9 @@ class TargetModel:
 
     # ------------------------------------------------------------------ forwards
 
-    def features(self, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[B,S] token ids -> [B,S,n*H] tapped layer outputs concatenated in `layer_ids` order.
 
         Runs under no_grad (not inference_mode: the drafter saves these tensors for its backward,
@@ -212,8 +237,7 @@ class TargetModel:
         self._begin(stop=True)
         try:
             with torch.no_grad():
-                self._backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               use_cache=False)
+                self._backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
             pass
         finally:
@@ -236,7 +260,7 @@ class TargetModel:
         The last decoder layer is not compared: HF applies the final norm to that entry.
         """
         vocab = self.vocab_size
-        try:                                # padded embedding rows are not real tokens
+        try:  # padded embedding rows are not real tokens
             vocab = min(vocab, len(self.tokenizer))
         except TypeError:
             pass
@@ -245,21 +269,26 @@ class TargetModel:
         feats = (features_fn or self.features)(ids)
         H = self.hidden_size
         with torch.no_grad():
-            kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
-                self.model.forward).parameters else {}
-            hs = self.model(input_ids=ids, output_hidden_states=True, use_cache=False,
-                            **kw).hidden_states
+            kw = (
+                {"logits_to_keep": 1}
+                if "logits_to_keep" in inspect.signature(self.model.forward).parameters
+                else {}
+            )
+            hs = self.model(
+                input_ids=ids, output_hidden_states=True, use_cache=False, **kw
+            ).hidden_states
         # bf16/fp16 features may come from another attention kernel (mask given vs not): allow
         # a rounding-sized difference, relative to the layer's largest value.
         tol = 1e-4 if self.dtype == torch.float32 else 3e-2
         worst = 0.0
         for k, lid in enumerate(self.layer_ids):
-            got = feats[..., k * H:(k + 1) * H].float().to(self.device)
+            got = feats[..., k * H : (k + 1) * H].float().to(self.device)
             if not torch.isfinite(got).all():
                 raise UserError(
                     f"target {self.name}: tapped layer {lid} produced non-finite hidden states "
                     f"in {str(self.dtype).replace('torch.', '')}. Load the target in another "
-                    "dtype (target.dtype=bfloat16 or float32).")
+                    "dtype (target.dtype=bfloat16 or float32)."
+                )
             if lid == self.num_layers - 1:
                 continue
             want = hs[lid + 1].float()
@@ -271,17 +300,26 @@ class TargetModel:
                     f"output_hidden_states[{lid + 1}] (relative error {err:.2e} > {tol:.0e}). "
                     f"dflash-trainer hooks {type(self._layers[lid]).__name__} modules of "
                     f"{type(self.model).__name__}; this architecture does not fit that. Report "
-                    "it with the model name; target.taps cannot fix it.")
+                    "it with the model name; target.taps cannot fix it."
+                )
         return worst
 
     def new_cache(self):
         """An empty KV cache for `tapped_forward`."""
         from transformers import DynamicCache
+
         return DynamicCache(config=self.model.config)
 
-    def tapped_forward(self, input_ids: torch.Tensor, *, attention_mask=None, position_ids=None,
-                       past_key_values=None, logits_to_keep: int = 0,
-                       use_cache: bool | None = None):
+    def tapped_forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        logits_to_keep: int = 0,
+        use_cache: bool | None = None,
+    ):
         """Full forward for speculative decoding -> (features [B,Q,n*H], logits, cache).
 
         Features come from the hooks (no output_hidden_states). `logits_to_keep=0` keeps logits
@@ -294,9 +332,14 @@ class TargetModel:
         self._begin(stop=False)
         try:
             with torch.no_grad():
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, use_cache=use_cache,
-                                 logits_to_keep=logits_to_keep, **kwargs)
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=use_cache,
+                    logits_to_keep=logits_to_keep,
+                    **kwargs,
+                )
         finally:
             feats = self._end()
         cache = getattr(out, "cache", None)

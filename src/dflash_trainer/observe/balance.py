@@ -20,12 +20,12 @@ _BOUND = 0.85
 
 @dataclass
 class StageBalance:
-    target_busy: float              # mean busy fraction of the target workers
+    target_busy: float  # mean busy fraction of the target workers
     drafter_busy: float
-    target_tok_s: float             # capacity per target worker (tokens per busy second)
-    drafter_tok_s: float            # capacity of the drafter worker
+    target_tok_s: float  # capacity per target worker (tokens per busy second)
+    drafter_tok_s: float  # capacity of the drafter worker
     num_targets: int
-    verdict: str                    # "drafter-bound" | "target-bound" | "balanced" | "input-bound"
+    verdict: str  # "drafter-bound" | "target-bound" | "balanced" | "input-bound"
 
     @property
     def targets_per_drafter(self) -> float:
@@ -33,22 +33,30 @@ class StageBalance:
         return self.drafter_tok_s / self.target_tok_s
 
     def advice(self) -> str:
-        head = (f"pipeline {self.verdict}: target busy {self.target_busy:.0%} "
-                f"({self.num_targets} worker{'s' if self.num_targets > 1 else ''}, "
-                f"{self.target_tok_s:.0f} tok/s each when busy), drafter busy "
-                f"{self.drafter_busy:.0%} ({self.drafter_tok_s:.0f} tok/s when busy); "
-                f"one drafter can absorb {self.targets_per_drafter:.1f} target workers")
+        head = (
+            f"pipeline {self.verdict}: target busy {self.target_busy:.0%} "
+            f"({self.num_targets} worker{'s' if self.num_targets > 1 else ''}, "
+            f"{self.target_tok_s:.0f} tok/s each when busy), drafter busy "
+            f"{self.drafter_busy:.0%} ({self.drafter_tok_s:.0f} tok/s when busy); "
+            f"one drafter can absorb {self.targets_per_drafter:.1f} target workers"
+        )
         if self.verdict == "drafter-bound":
-            tip = ("the target waits for the drafter: give the drafter more (more ranks via "
-                   "torchrun, each with its own targets; pipeline.precision=bf16), lower "
-                   "drafter.num_anchors, or use fewer target devices per drafter")
+            tip = (
+                "the target waits for the drafter: give the drafter more (more ranks via "
+                "torchrun, each with its own targets; pipeline.precision=bf16), lower "
+                "drafter.num_anchors, or use fewer target devices per drafter"
+            )
         elif self.verdict == "target-bound":
-            tip = ("the drafter waits for the target: add target devices "
-                   "(pipeline.target_devices), or raise drafter.num_anchors (more training "
-                   "signal per target forward at no cost in throughput)")
+            tip = (
+                "the drafter waits for the target: add target devices "
+                "(pipeline.target_devices), or raise drafter.num_anchors (more training "
+                "signal per target forward at no cost in throughput)"
+            )
         elif self.verdict == "input-bound":
-            tip = ("both stages waited on input: the prefetcher or the data source is the "
-                   "bound (see queue/work/* in metrics.jsonl)")
+            tip = (
+                "both stages waited on input: the prefetcher or the data source is the "
+                "bound (see queue/work/* in metrics.jsonl)"
+            )
         else:
             tip = "both stages are busy: the split fits this workload"
         return f"{head}. {tip[0].upper()}{tip[1:]}."
@@ -93,5 +101,11 @@ def assess(workers, min_busy_s: float = 1.0) -> StageBalance | None:
         verdict = "balanced"
     else:
         verdict = "input-bound"
-    return StageBalance(target_busy=t_frac, drafter_busy=d_frac, target_tok_s=t_cap,
-                        drafter_tok_s=d_cap, num_targets=len(targets), verdict=verdict)
+    return StageBalance(
+        target_busy=t_frac,
+        drafter_busy=d_frac,
+        target_tok_s=t_cap,
+        drafter_tok_s=d_cap,
+        num_targets=len(targets),
+        verdict=verdict,
+    )

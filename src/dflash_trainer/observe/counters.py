@@ -17,18 +17,20 @@ class WorkerCounters:
     """Progress of one worker thread (`prefetch`, `target0`, `drafter0`, ...)."""
 
     name: str
-    steps: int = 0            # work items finished
-    items: int = 0            # sequences finished
-    tokens: int = 0           # real (unpadded) tokens finished
-    padded_tokens: int = 0    # rows x padded length finished
-    query_tokens: int = 0     # drafter: block query tokens trained (rows x anchors x block_size)
+    steps: int = 0  # work items finished
+    items: int = 0  # sequences finished
+    tokens: int = 0  # real (unpadded) tokens finished
+    padded_tokens: int = 0  # rows x padded length finished
+    query_tokens: int = 0  # drafter: block query tokens trained (rows x anchors x block_size)
     errors: int = 0
-    skipped_steps: int = 0    # non-finite steps skipped (drafter)
-    busy_ns: int = 0          # host time spent in the step body
-    wait_in_ns: int = 0       # host time blocked on the input queue
-    wait_out_ns: int = 0      # host time blocked on the output queue
+    skipped_steps: int = 0  # non-finite steps skipped (drafter)
+    busy_ns: int = 0  # host time spent in the step body
+    wait_in_ns: int = 0  # host time blocked on the input queue
+    wait_out_ns: int = 0  # host time blocked on the output queue
     last_progress: float = field(default_factory=time.monotonic)  # heartbeat (monotonic s)
-    phase_ns: dict[str, int] = field(default_factory=dict)  # per-phase host time (h2d, forward, ...)
+    phase_ns: dict[str, int] = field(
+        default_factory=dict
+    )  # per-phase host time (h2d, forward, ...)
     gauges: dict[str, float] = field(default_factory=dict)  # host-side values (lr, epoch)
     gpu_timer: object = None  # observe.profile.StepTimer of the worker's step (CUDA only)
 
@@ -49,6 +51,6 @@ class QueueCounters:
     gets: int = 0
     put_wait_ns: int = 0
     get_wait_ns: int = 0
-    age_ns_sum: int = 0       # enqueue -> dequeue time, summed over gets
+    age_ns_sum: int = 0  # enqueue -> dequeue time, summed over gets
     # Recent get waits for percentiles; deque(maxlen) appends are atomic, the monitor copies it.
     get_waits_ns: deque = field(default_factory=lambda: deque(maxlen=512))

@@ -78,16 +78,16 @@ def layer_matmul_params(cfg) -> int:
 
 @dataclass
 class FlopsModel:
-    target_params_matmul: float     # matmul params of the target layers actually run
-    target_layers: int              # layers run (last tapped layer + 1)
-    target_attn_dim: int            # heads * head_dim
-    drafter_params_matmul: float    # drafter layer matmul params applied to each query token
+    target_params_matmul: float  # matmul params of the target layers actually run
+    target_layers: int  # layers run (last tapped layer + 1)
+    target_attn_dim: int  # heads * head_dim
+    drafter_params_matmul: float  # drafter layer matmul params applied to each query token
     drafter_layers: int
     drafter_attn_dim: int
-    drafter_context_params: float = 0.0   # fc + per-layer context K/V, applied per context token
-    lm_head_params: float = 0.0           # hidden * vocab of the frozen head on query tokens
+    drafter_context_params: float = 0.0  # fc + per-layer context K/V, applied per context token
+    lm_head_params: float = 0.0  # hidden * vocab of the frozen head on query tokens
     block_size: int = 16
-    seq_len: float = 1024.0               # default context length for the attention terms
+    seq_len: float = 1024.0  # default context length for the attention terms
 
     def target_flops_per_token(self, seq_len: float | None = None) -> float:
         s = self.seq_len if seq_len is None else seq_len
@@ -102,8 +102,14 @@ class FlopsModel:
         return 6.0 * self.drafter_context_params
 
     @classmethod
-    def from_configs(cls, target_cfg, target_layers_run: int, drafter_cfg, seq_len: float = 1024.0,
-                     block_size: int | None = None) -> "FlopsModel":
+    def from_configs(
+        cls,
+        target_cfg,
+        target_layers_run: int,
+        drafter_cfg,
+        seq_len: float = 1024.0,
+        block_size: int | None = None,
+    ) -> FlopsModel:
         """From an HF target config (or anything with those attribute names) and a DFlash config.
 
         `target_layers_run` = last tapped layer + 1 (the target forward stops there).
@@ -117,9 +123,13 @@ class FlopsModel:
         context = n_taps * t_hidden * d_hidden + d_layers * 2 * d_hidden * d_kv
         return cls(
             target_params_matmul=float(target_layers_run * layer_matmul_params(target_cfg)),
-            target_layers=int(target_layers_run), target_attn_dim=t_attn,
+            target_layers=int(target_layers_run),
+            target_attn_dim=t_attn,
             drafter_params_matmul=float(d_layers * layer_matmul_params(drafter_cfg)),
-            drafter_layers=d_layers, drafter_attn_dim=d_attn,
-            drafter_context_params=float(context), lm_head_params=float(d_hidden * vocab),
+            drafter_layers=d_layers,
+            drafter_attn_dim=d_attn,
+            drafter_context_params=float(context),
+            lm_head_params=float(d_hidden * vocab),
             block_size=int(block_size or getattr(drafter_cfg, "block_size", 16)),
-            seq_len=float(seq_len))
+            seq_len=float(seq_len),
+        )

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,8 +22,8 @@ log = logging.getLogger(__name__)
 GIB = float(1 << 30)
 
 # Clock-event (throttle) reason bits, nvmlClocksEventReasons (docs/observability.md §2 table).
-_THROTTLE_POWER = 0x4 | 0x80        # SW power cap | HW power brake
-_THROTTLE_THERMAL = 0x20 | 0x40     # SW thermal | HW thermal
+_THROTTLE_POWER = 0x4 | 0x80  # SW power cap | HW power brake
+_THROTTLE_THERMAL = 0x20 | 0x40  # SW thermal | HW thermal
 _THROTTLE_HW_SLOWDOWN = 0x8
 
 
@@ -54,15 +55,15 @@ class NvmlCollector:
         self.errors = 0
         self._handles: dict[int, Any] = {}
         self._unsupported: set[tuple[int, str]] = set()
-        self._prev_energy: dict[int, tuple[float, int]] = {}   # ordinal -> (t, mJ)
+        self._prev_energy: dict[int, tuple[float, int]] = {}  # ordinal -> (t, mJ)
         ordinals = _cuda_ordinals(devices)
         if not ordinals:
             return
         try:
             if nvml is None:
-                import pynvml as nvml   # nvidia-ml-py
+                import pynvml as nvml  # nvidia-ml-py
             nvml.nvmlInit()
-        except Exception as e:          # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded
+        except Exception as e:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded
             log.info("NVML unavailable (%s): GPU telemetry limited to the allocator", e)
             return
         self._nvml = nvml
@@ -99,46 +100,46 @@ class NvmlCollector:
         for i, h in self._handles.items():
             p = f"gpu/{i}/"
             q = self._query
-            util = q(i, "util", lambda: nv.nvmlDeviceGetUtilizationRates(h))
+            util = q(i, "util", lambda h=h: nv.nvmlDeviceGetUtilizationRates(h))
             if util is not None:
                 out[p + "util"] = float(util.gpu)
                 out[p + "mem_rw_util"] = float(util.memory)
-            mem = q(i, "mem", lambda: nv.nvmlDeviceGetMemoryInfo(h))
+            mem = q(i, "mem", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h))
             if mem is not None:
                 out[p + "mem_used_gib"] = mem.used / GIB
                 out[p + "mem_total_gib"] = mem.total / GIB
-            v = q(i, "power", lambda: nv.nvmlDeviceGetPowerUsage(h))
+            v = q(i, "power", lambda h=h: nv.nvmlDeviceGetPowerUsage(h))
             if v is not None:
                 out[p + "power_w"] = v / 1000.0
-            v = q(i, "power_limit", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))
+            v = q(i, "power_limit", lambda h=h: nv.nvmlDeviceGetEnforcedPowerLimit(h))
             if v is not None:
                 out[p + "power_limit_w"] = v / 1000.0
-            v = q(i, "energy", lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h))
+            v = q(i, "energy", lambda h=h: nv.nvmlDeviceGetTotalEnergyConsumption(h))
             if v is not None:
                 prev = self._prev_energy.get(i)
                 self._prev_energy[i] = (now, v)
-                if prev is not None:            # mJ counter since driver load: exact window energy
+                if prev is not None:  # mJ counter since driver load: exact window energy
                     de = (v - prev[1]) / 1000.0
                     out[p + "energy_j"] = de
                     if now > prev[0]:
                         out[p + "power_avg_w"] = de / (now - prev[0])
-            v = q(i, "temp", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+            v = q(i, "temp", lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
             if v is not None:
                 out[p + "temp_c"] = float(v)
-            v = q(i, "sm_clock", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+            v = q(i, "sm_clock", lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
             if v is not None:
                 out[p + "sm_clock_mhz"] = float(v)
-            v = q(i, "mem_clock", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM))
+            v = q(i, "mem_clock", lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM))
             if v is not None:
                 out[p + "mem_clock_mhz"] = float(v)
-            v = q(i, "throttle", lambda: self._throttle_bits(h))
+            v = q(i, "throttle", lambda h=h: self._throttle_bits(h))
             if v is not None:
                 v = int(v)
                 out[p + "throttle_bits"] = float(v)
                 out[p + "throttle/power"] = float(bool(v & _THROTTLE_POWER))
                 out[p + "throttle/thermal"] = float(bool(v & _THROTTLE_THERMAL))
                 out[p + "throttle/hw_slowdown"] = float(bool(v & _THROTTLE_HW_SLOWDOWN))
-            v = q(i, "pcie_replay", lambda: nv.nvmlDeviceGetPcieReplayCounter(h))
+            v = q(i, "pcie_replay", lambda h=h: nv.nvmlDeviceGetPcieReplayCounter(h))
             if v is not None:
                 out[p + "pcie_replays"] = float(v)
         return out
@@ -146,14 +147,14 @@ class NvmlCollector:
     def _throttle_bits(self, h) -> int:
         nv = self._nvml
         fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        if fn is None:                  # older nvidia-ml-py name
+        if fn is None:  # older nvidia-ml-py name
             fn = nv.nvmlDeviceGetCurrentClocksThrottleReasons
         return fn(h)
 
     def close(self) -> None:
         if self.available:
             try:
-                self._nvml.nvmlShutdown()   # reference counted: other users keep their init
+                self._nvml.nvmlShutdown()  # reference counted: other users keep their init
             except Exception:
                 pass
             self.available = False
@@ -174,8 +175,9 @@ class AllocatorCollector:
         self.available = bool(self._ordinals)
         self._prev_allocs: dict[int, tuple[float, int]] = {}
 
-    def collect(self, now: float | None = None,
-                nvml_metrics: dict | None = None) -> dict[str, float]:
+    def collect(
+        self, now: float | None = None, nvml_metrics: dict | None = None
+    ) -> dict[str, float]:
         now = time.monotonic() if now is None else now
         out: dict[str, float] = {}
         for i in self._ordinals:
@@ -200,6 +202,6 @@ class AllocatorCollector:
             if prev is not None and now > prev[0]:
                 out[p + "device_allocs_per_s"] = (n_alloc - prev[1]) / (now - prev[0])
             used = (nvml_metrics or {}).get(f"gpu/{i}/mem_used_gib")
-            if used is not None:   # context, cuBLAS workspaces, NCCL, other processes
+            if used is not None:  # context, cuBLAS workspaces, NCCL, other processes
                 out[p + "non_torch_gib"] = used - reserved / GIB
         return out

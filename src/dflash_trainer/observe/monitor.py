@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -27,8 +28,18 @@ from dflash_trainer.observe.sinks import MultiSink, Sink, build_sinks
 
 log = logging.getLogger(__name__)
 
-_WORKER_FIELDS = ("steps", "items", "tokens", "padded_tokens", "query_tokens", "errors",
-                  "skipped_steps", "busy_ns", "wait_in_ns", "wait_out_ns")
+_WORKER_FIELDS = (
+    "steps",
+    "items",
+    "tokens",
+    "padded_tokens",
+    "query_tokens",
+    "errors",
+    "skipped_steps",
+    "busy_ns",
+    "wait_in_ns",
+    "wait_out_ns",
+)
 _QUEUE_FIELDS = ("puts", "gets", "put_wait_ns", "get_wait_ns", "age_ns_sum")
 
 
@@ -42,11 +53,23 @@ def _p99(values: list[int]) -> float:
 
 
 class Monitor:
-    def __init__(self, cfg, run_dir: str | Path, config_dict: dict | None = None, workers=(),
-                 queues=(), composition: Callable[[], dict] | None = None,
-                 rings: dict | None = None, devices=(), flops: FlopsModel | None = None,
-                 rank: int = 0, sinks: Sink | None = None, nvml: Any = None,
-                 allocator: Any = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        cfg,
+        run_dir: str | Path,
+        config_dict: dict | None = None,
+        workers=(),
+        queues=(),
+        composition: Callable[[], dict] | None = None,
+        rings: dict | None = None,
+        devices=(),
+        flops: FlopsModel | None = None,
+        rank: int = 0,
+        sinks: Sink | None = None,
+        nvml: Any = None,
+        allocator: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.workers = list(workers)
@@ -64,8 +87,11 @@ class Monitor:
         self.sinks = sinks
         self.nvml = nvml if nvml is not None else NvmlCollector(self.devices)
         self.allocator = allocator if allocator is not None else AllocatorCollector(self.devices)
-        self.peak = (peak_tflops(self.devices[0], cfg.peak_tflops) if self.devices
-                     else float(cfg.peak_tflops))
+        self.peak = (
+            peak_tflops(self.devices[0], cfg.peak_tflops)
+            if self.devices
+            else float(cfg.peak_tflops)
+        )
 
         now = clock()
         self._t_start = now
@@ -93,18 +119,23 @@ class Monitor:
         self._last_depth = {q.name: 0 for q in self.queues}
         self._ring_sum: dict[str, float] = {}
         self._ring_n: dict[str, int] = {}
-        self._ring_per: dict[str, dict[str, list[float]]] = {}   # ring -> name -> [sum, n]
+        self._ring_per: dict[str, dict[str, list[float]]] = {}  # ring -> name -> [sum, n]
         self._ring_nonfinite = 0
 
     def _guard(self, what: str, fn: Callable, default=None):
         try:
             return fn()
-        except Exception as e:   # collectors are best-effort (observability.md §8.9)
+        except Exception as e:  # collectors are best-effort (observability.md §8.9)
             self.collector_errors += 1
             if what not in self._reported:
                 self._reported.add(what)
-                log.warning("monitor collector %s failed (%s: %s); reported once, counted in "
-                            "monitor/collector_errors", what, type(e).__name__, e)
+                log.warning(
+                    "monitor collector %s failed (%s: %s); reported once, counted in "
+                    "monitor/collector_errors",
+                    what,
+                    type(e).__name__,
+                    e,
+                )
             return default
 
     def _drain_rings(self) -> None:
@@ -116,7 +147,7 @@ class Monitor:
                     self._step = step
                 for k, v in values.items():
                     self._ring_last[k] = v
-                    if not math.isfinite(v):    # skipped (non-finite) steps: counted, not averaged
+                    if not math.isfinite(v):  # skipped (non-finite) steps: counted, not averaged
                         self._ring_nonfinite += 1
                         continue
                     self._ring_sum[k] = self._ring_sum.get(k, 0.0) + v
@@ -136,10 +167,10 @@ class Monitor:
             self._last_depth[q.name] = d
         self._ticks += 1
         self._drain_rings()
-        for k, v in self._ring_last.items():    # progress bar sees fresh values between logs
+        for k, v in self._ring_last.items():  # progress bar sees fresh values between logs
             self._latest[f"drafter/{k}_last"] = v
         self._latest["drafter/step"] = float(self._step)
-        for w in self.workers:      # GPU step times: resolve finished event pairs, never wait
+        for w in self.workers:  # GPU step times: resolve finished event pairs, never wait
             timer = getattr(w, "gpu_timer", None)
             if timer is not None:
                 self._guard(f"gpu_timer:{w.name}", timer.resolve)
@@ -177,7 +208,7 @@ class Monitor:
                 m[q + "host_step_ms"] = d["busy_ns"] / n
                 m[q + "wait_in_ms"] = d["wait_in_ns"] / n
                 m[q + "wait_out_ms"] = d["wait_out_ns"] / n
-                phases = dict(w.phase_ns)   # C-level copy: safe against a concurrent insert
+                phases = dict(w.phase_ns)  # C-level copy: safe against a concurrent insert
                 prev_ph = self._w_phase_prev[w.name]
                 for ph, ns in phases.items():
                     m[f"{q}{ph}_ms"] = (ns - prev_ph.get(ph, 0)) / n
@@ -218,7 +249,7 @@ class Monitor:
             m[p + "consumer_starved_frac"] = d["get_wait_ns"] / (win_ns * consumers)
             if d["gets"] > 0:
                 m[p + "item_age_ms"] = d["age_ns_sum"] / d["gets"] / 1e6
-                waits = list(c.get_waits_ns)[-d["gets"]:]   # this window's waits (<= maxlen)
+                waits = list(c.get_waits_ns)[-d["gets"] :]  # this window's waits (<= maxlen)
                 if waits:
                     m[p + "get_wait_p99_ms"] = _p99(waits) / 1e6
 
@@ -251,17 +282,22 @@ class Monitor:
             m["tput/balance"] = m.get("tput/target_tok_s", 0.0) / m["tput/drafter_tok_s"]
         if self.flops is None:
             return
-        seq = m.get("batch/len_mean")    # attention term uses the observed mean length if known
+        seq = m.get("batch/len_mean")  # attention term uses the observed mean length if known
         if n_target:
             tfl = m["tput/target_tok_s"] * self.flops.target_flops_per_token(seq) / 1e12
             m["tput/target_tflops"] = tfl
             if self.peak > 0:
                 m["tput/mfu_target"] = 100.0 * tfl / (n_target * self.peak)
         # Drafter FLOPs need query-token counts; omitted when the worker does not report them.
-        if n_drafter and sum(w.query_tokens for w in self.workers
-                             if w.name.startswith("drafter") and hasattr(w, "query_tokens")):
-            tfl = (m["tput/drafter_query_tok_s"] * self.flops.drafter_flops_per_query(seq)
-                   + m["tput/drafter_tok_s"] * self.flops.drafter_flops_per_context_token()) / 1e12
+        if n_drafter and sum(
+            w.query_tokens
+            for w in self.workers
+            if w.name.startswith("drafter") and hasattr(w, "query_tokens")
+        ):
+            tfl = (
+                m["tput/drafter_query_tok_s"] * self.flops.drafter_flops_per_query(seq)
+                + m["tput/drafter_tok_s"] * self.flops.drafter_flops_per_context_token()
+            ) / 1e12
             m["tput/drafter_tflops"] = tfl
             if self.peak > 0:
                 m["tput/mfu_drafter"] = 100.0 * tfl / (n_drafter * self.peak)
@@ -288,7 +324,7 @@ class Monitor:
         t2 = time.perf_counter()
         m["prof/monitor/tick_ms"] = 1e3 * self._tick_s_sum / max(1, self._ticks)
         m["prof/monitor/nvml_ms"] = 1e3 * (t2 - t1)
-        m["prof/monitor/log_ms"] = self._log_ms     # previous log call (this one is not done)
+        m["prof/monitor/log_ms"] = self._log_ms  # previous log call (this one is not done)
         m["monitor/collector_errors"] = float(self.collector_errors)
         m["monitor/sink_errors"] = float(getattr(self.sinks, "errors", 0))
 
@@ -318,8 +354,10 @@ class Monitor:
         """One-off record (eval results, checkpoint saved): Python numbers/strings only."""
         for k, v in record.items():
             if isinstance(v, torch.Tensor):
-                raise TypeError(f"log_event({k}=<tensor>): convert to a Python number where it is "
-                                "produced; a tensor here would sync the device")
+                raise TypeError(
+                    f"log_event({k}=<tensor>): convert to a Python number where it is "
+                    "produced; a tensor here would sync the device"
+                )
         step = self._step if step is None else step
         self.sinks.event(dict(record), step)
 

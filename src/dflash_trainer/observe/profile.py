@@ -1,9 +1,9 @@
 """GPU time per worker step from pooled CUDA events, resolved lazily (observability.md §7.1).
 
 The worker records an event pair on the stream it already uses (`start` / `stop`: two
-`cudaEventRecord` calls, no wait). The monitor calls `resolve()` each tick: it reads only pairs whose
-end event reports done (`query()`), so `elapsed_time()` never blocks, and returns the events to the
-pool. On CPU every call is a no-op and the same code path runs.
+`cudaEventRecord` calls, no wait). The monitor calls `resolve()` each tick: it reads only pairs
+whose end event reports done (`query()`), so `elapsed_time()` never blocks, and returns the events
+to the pool. On CPU every call is a no-op and the same code path runs.
 
 Thread-safety: one producer (the worker) appends to `_pending` and pops from `_free`; one
 consumer (the monitor) pops from `_pending` and appends to `_free`. deque appends/pops are atomic.
@@ -24,9 +24,9 @@ class StepTimer:
         self._free: deque = deque()
         self._pending: deque = deque()
         self._created = 0
-        self.total_ms = 0.0        # monitor-side accumulators
+        self.total_ms = 0.0  # monitor-side accumulators
         self.count = 0
-        self.dropped = 0           # steps not timed because every event pair was in flight
+        self.dropped = 0  # steps not timed because every event pair was in flight
 
     def start(self, stream=None):
         """Worker: record the start event; returns a token for `stop` (None when disabled)."""

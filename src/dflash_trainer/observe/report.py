@@ -62,32 +62,50 @@ class _Report:
         try:
             import matplotlib
         except ImportError as e:
-            raise UserError("`dflash-trainer report` needs matplotlib: "
-                            "pip install 'dflash-trainer[metrics]' (or matplotlib)") from e
-        matplotlib.use("Agg")              # no display; must precede pyplot import
+            raise UserError(
+                "`dflash-trainer report` needs matplotlib: "
+                "pip install 'dflash-trainer[metrics]' (or matplotlib)"
+            ) from e
+        matplotlib.use("Agg")  # no display; must precede pyplot import
         import matplotlib.pyplot as plt
+
         self.plt = plt
         self.rows, self.events, self.out = rows, events, out_dir
-        self.sections: list[tuple[str, str | None, str]] = []   # (title, png name or None, note)
+        self.sections: list[tuple[str, str | None, str]] = []  # (title, png name or None, note)
 
-    def lines(self, fname: str, title: str, panels: list[tuple[str, list[str], str]],
-              x: str = "time/elapsed_s", xlabel: str = "elapsed (s)", rows=None,
-              note: str = "") -> None:
+    def lines(
+        self,
+        fname: str,
+        title: str,
+        panels: list[tuple[str, list[str], str]],
+        x: str = "time/elapsed_s",
+        xlabel: str = "elapsed (s)",
+        rows=None,
+        note: str = "",
+    ) -> None:
         """One figure, one subplot per panel (ylabel, keys, key prefix to strip from labels)."""
         rows = self.rows if rows is None else rows
-        panels = [(yl, [k for k in keys if _series(rows, k, x)[1]], strip)
-                  for yl, keys, strip in panels]
+        panels = [
+            (yl, [k for k in keys if _series(rows, k, x)[1]], strip) for yl, keys, strip in panels
+        ]
         panels = [p for p in panels if p[1]]
         if not panels:
             self.sections.append((title, None, "no data in metrics.jsonl for this plot"))
             return
-        fig, axes = self.plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)),
-                                      squeeze=False, sharex=True)
+        fig, axes = self.plt.subplots(
+            len(panels), 1, figsize=(9, 3.2 * len(panels)), squeeze=False, sharex=True
+        )
         for ax, (ylabel, keys, strip) in zip(axes[:, 0], panels):
             for k in keys:
                 xs, ys = _series(rows, k, x)
-                ax.plot(xs, ys, label=k.replace(strip, "") if strip else k, lw=1.4,
-                        marker="o" if len(xs) < 30 else None, ms=3)
+                ax.plot(
+                    xs,
+                    ys,
+                    label=k.replace(strip, "") if strip else k,
+                    lw=1.4,
+                    marker="o" if len(xs) < 30 else None,
+                    ms=3,
+                )
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="best")
@@ -110,8 +128,9 @@ class _Report:
             return
         pos, means = [], []
         for k in keys:
-            vals = [r[k] for r in last
-                    if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
+            vals = [
+                r[k] for r in last if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])
+            ]
             if vals:
                 pos.append(int(_ACC_RE.match(k)[1]))
                 means.append(sum(vals) / len(vals))
@@ -126,10 +145,12 @@ class _Report:
         self._save(fig, fname, title)
 
     def html(self, run_dir: Path) -> str:
-        parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>dflash-trainer report: "
-                 f"{html.escape(run_dir.name)}</title></head><body style='font-family:sans-serif'>",
-                 f"<h1>Run {html.escape(str(run_dir))}</h1>",
-                 f"<p>{len(self.rows)} metric records, {len(self.events)} events.</p>"]
+        parts = [
+            f"<!doctype html><html><head><meta charset='utf-8'><title>dflash-trainer report: "
+            f"{html.escape(run_dir.name)}</title></head><body style='font-family:sans-serif'>",
+            f"<h1>Run {html.escape(str(run_dir))}</h1>",
+            f"<p>{len(self.rows)} metric records, {len(self.events)} events.</p>",
+        ]
         for title, fname, note in self.sections:
             parts.append(f"<h2>{html.escape(title)}</h2>")
             if fname is None:
@@ -153,8 +174,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise UserError(f"{path}: no metrics file; pass a run directory written by "
-                        "`dflash-trainer train` (it contains metrics.jsonl)")
+        raise UserError(
+            f"{path}: no metrics file; pass a run directory written by "
+            "`dflash-trainer train` (it contains metrics.jsonl)"
+        )
     rows, events = read_metrics(path)
     if not rows:
         raise UserError(f"{path}: contains no metric records yet; run training longer")
@@ -162,37 +185,66 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out.mkdir(parents=True, exist_ok=True)
     r = _Report(rows, events, out)
     k = lambda pat: _keys(rows, pat)  # noqa: E731
-    r.lines("throughput.png", "Throughput per stage", [
-        ("tokens/s", k(r"^worker/[^/]+/tokens_per_s$"), "worker/"),
-        ("pipeline tok/s", k(r"^tput/(target|drafter)_tok_s$"), "tput/"),
-        ("TFLOP/s", k(r"^tput/\w+_tflops$"), "tput/"),
-    ])
-    r.lines("queues.png", "Queue depth and starvation", [
-        ("depth (items)", k(r"^queue/[^/]+/depth_mean$") or k(r"^queue/[^/]+/depth$"), "queue/"),
-        ("consumer starved", k(r"^queue/[^/]+/consumer_starved_frac$"), "queue/"),
-        ("producer blocked", k(r"^queue/[^/]+/producer_blocked_frac$"), "queue/"),
-    ])
-    r.lines("loss.png", "Drafter loss", [("loss", k(r"^drafter/loss$"), "")],
-            x="step", xlabel="drafter step")
+    r.lines(
+        "throughput.png",
+        "Throughput per stage",
+        [
+            ("tokens/s", k(r"^worker/[^/]+/tokens_per_s$"), "worker/"),
+            ("pipeline tok/s", k(r"^tput/(target|drafter)_tok_s$"), "tput/"),
+            ("TFLOP/s", k(r"^tput/\w+_tflops$"), "tput/"),
+        ],
+    )
+    r.lines(
+        "queues.png",
+        "Queue depth and starvation",
+        [
+            (
+                "depth (items)",
+                k(r"^queue/[^/]+/depth_mean$") or k(r"^queue/[^/]+/depth$"),
+                "queue/",
+            ),
+            ("consumer starved", k(r"^queue/[^/]+/consumer_starved_frac$"), "queue/"),
+            ("producer blocked", k(r"^queue/[^/]+/producer_blocked_frac$"), "queue/"),
+        ],
+    )
+    r.lines(
+        "loss.png",
+        "Drafter loss",
+        [("loss", k(r"^drafter/loss$"), "")],
+        x="step",
+        xlabel="drafter step",
+    )
     window = max(1, len(rows) // 10)
     r.accuracy("accuracy.png", window)
     # Eval results arrive as events (monitor.log_event) and share the step axis. Training's
     # simulated acceptance and the measured tau of real decoding on held-out prompts on one
     # chart: the train-vs-serving check (a wide gap = a train/inference mismatch or overfitting).
-    r.lines("accept_len.png", "Acceptance length: training estimate vs held-out decoding", [
-        ("tokens", k(r"^drafter/accept_len$") + _keys(events, r"^eval/(tau|best_tau)$"), "")],
-        x="step", xlabel="drafter step", rows=rows + events,
+    r.lines(
+        "accept_len.png",
+        "Acceptance length: training estimate vs held-out decoding",
+        [("tokens", k(r"^drafter/accept_len$") + _keys(events, r"^eval/(tau|best_tau)$"), "")],
+        x="step",
+        xlabel="drafter step",
+        rows=rows + events,
         note="drafter/accept_len: expected accepted length per block on training batches "
-             "(correct-prefix length + 1, computed on device). eval/tau: tokens per target "
-             "forward when the drafter actually decodes held-out prompts (pipeline.eval). The "
-             "two should track each other; a training estimate far above tau means the drafter "
-             "does not generalise or training and inference disagree.")
-    r.lines("padding.png", "Padding efficiency", [
-        ("real / padded", k(r"^batch/padding_eff$") + k(r"^worker/[^/]+/padding_eff$"), "")])
-    r.lines("memory.png", "Memory over time", [
-        ("allocator GiB", k(r"^mem/\d+/(allocated|reserved)_gib$"), "mem/"),
-        ("device GiB (NVML)", k(r"^gpu/\d+/mem_used_gib$"), "gpu/"),
-    ])
+        "(correct-prefix length + 1, computed on device). eval/tau: tokens per target "
+        "forward when the drafter actually decodes held-out prompts (pipeline.eval). The "
+        "two should track each other; a training estimate far above tau means the drafter "
+        "does not generalise or training and inference disagree.",
+    )
+    r.lines(
+        "padding.png",
+        "Padding efficiency",
+        [("real / padded", k(r"^batch/padding_eff$") + k(r"^worker/[^/]+/padding_eff$"), "")],
+    )
+    r.lines(
+        "memory.png",
+        "Memory over time",
+        [
+            ("allocator GiB", k(r"^mem/\d+/(allocated|reserved)_gib$"), "mem/"),
+            ("device GiB (NVML)", k(r"^gpu/\d+/mem_used_gib$"), "gpu/"),
+        ],
+    )
     html_path = out / "report.html"
     html_path.write_text(r.html(run_dir), encoding="utf-8")
     return html_path

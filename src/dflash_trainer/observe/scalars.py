@@ -33,18 +33,20 @@ class ScalarRing:
         self._cuda = self.device.type == "cuda"
         # Pinned memory makes the D2H copy truly asynchronous; pageable + non_blocking silently
         # becomes a synchronous copy (docs/observability.md §8.1).
-        self._buf = torch.zeros(capacity, len(self.names), dtype=torch.float32,
-                                pin_memory=self._cuda)
-        self._np = self._buf.numpy()   # shares memory with _buf: reads dispatch no torch op
-        self._rows = [self._buf[i] for i in range(capacity)]   # prebuilt views: no slicing per push
+        self._buf = torch.zeros(
+            capacity, len(self.names), dtype=torch.float32, pin_memory=self._cuda
+        )
+        self._np = self._buf.numpy()  # shares memory with _buf: reads dispatch no torch op
+        self._rows = [self._buf[i] for i in range(capacity)]  # prebuilt views: no slicing per push
         self._steps = [0] * capacity
-        self._events = ([torch.cuda.Event() for _ in range(capacity)] if self._cuda
-                        else [None] * capacity)
-        self._head = 0      # next sequence number to write (producer)
-        self._tail = 0      # next sequence number to read (consumer; producer on overflow)
+        self._events = (
+            [torch.cuda.Event() for _ in range(capacity)] if self._cuda else [None] * capacity
+        )
+        self._head = 0  # next sequence number to write (producer)
+        self._tail = 0  # next sequence number to read (consumer; producer on overflow)
         self._lock = threading.Lock()
         self.pushed = 0
-        self.dropped = 0    # samples overwritten before the monitor drained them
+        self.dropped = 0  # samples overwritten before the monitor drained them
 
     def push(self, step: int, values: torch.Tensor) -> None:
         """Worker side: enqueue one step's metrics without any host-device synchronisation.
@@ -53,8 +55,10 @@ class ScalarRing:
         inspected. Call after the ops producing `values` were issued on the current stream.
         """
         if values.dim() != 1 or values.shape[0] != len(self.names):
-            raise ValueError(f"ScalarRing.push expects shape [{len(self.names)}] for {self.names}, "
-                             f"got {tuple(values.shape)}")
+            raise ValueError(
+                f"ScalarRing.push expects shape [{len(self.names)}] for {self.names}, "
+                f"got {tuple(values.shape)}"
+            )
         if isinstance(step, torch.Tensor):
             raise TypeError("ScalarRing.push: step must be a Python int (int(tensor) syncs)")
         if values.is_cuda and not self._cuda:
@@ -62,7 +66,7 @@ class ScalarRing:
             raise ValueError("ScalarRing built for a CPU device got a CUDA tensor; pass device=")
         with self._lock:
             seq = self._head
-            if seq - self._tail >= self.capacity:     # the slot to overwrite is still unread
+            if seq - self._tail >= self.capacity:  # the slot to overwrite is still unread
                 self._tail += 1
                 self.dropped += 1
             slot = seq % self.capacity
@@ -83,7 +87,7 @@ class ScalarRing:
             while self._tail < self._head and (limit is None or len(out) < limit):
                 slot = self._tail % self.capacity
                 ev = self._events[slot]
-                if ev is not None and not ev.query():   # copy not finished yet: try next tick
+                if ev is not None and not ev.query():  # copy not finished yet: try next tick
                     break
                 out.append((self._steps[slot], dict(zip(names, self._np[slot].tolist()))))
                 self._tail += 1

@@ -34,8 +34,14 @@ STEP_KEY = "train/step"
 def redact(obj: Any) -> Any:
     """Deep copy of a config dict with values under secret-looking keys replaced."""
     if isinstance(obj, dict):
-        return {k: (REDACTED if isinstance(k, str) and any(m in k.lower() for m in SECRET_MARKERS)
-                    else redact(v)) for k, v in obj.items()}
+        return {
+            k: (
+                REDACTED
+                if isinstance(k, str) and any(m in k.lower() for m in SECRET_MARKERS)
+                else redact(v)
+            )
+            for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
         return [redact(v) for v in obj]
     return obj
@@ -69,8 +75,14 @@ class _WarnOnce:
     def __call__(self, what: str, exc: BaseException) -> None:
         self.errors += 1
         if self.errors == 1:
-            log.warning("metrics sink %s: %s failed (%s: %s); further errors are counted, "
-                        "training continues", self.name, what, type(exc).__name__, exc)
+            log.warning(
+                "metrics sink %s: %s failed (%s: %s); further errors are counted, "
+                "training continues",
+                self.name,
+                what,
+                type(exc).__name__,
+                exc,
+            )
 
 
 class JsonlSink(Sink):
@@ -84,7 +96,7 @@ class JsonlSink(Sink):
         self._f = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a", buffering=1, encoding="utf-8")   # line buffered
+            self._f = open(self.path, "a", buffering=1, encoding="utf-8")  # line buffered
         except OSError as e:
             self._warn("open", e)
 
@@ -95,7 +107,7 @@ class JsonlSink(Sink):
             # NaN/inf are written as JSON's NaN/Infinity extensions, which Python reads back.
             self._f.write(json.dumps(record, default=str) + "\n")
             self._f.flush()
-        except (OSError, ValueError) as e:   # full disk, closed file
+        except (OSError, ValueError) as e:  # full disk, closed file
             self._warn("write", e)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -123,8 +135,9 @@ class TensorBoardSink(Sink):
         self._w = None
         try:
             from torch.utils.tensorboard import SummaryWriter
+
             self._w = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
-        except Exception as e:      # ModuleNotFoundError: No module named 'tensorboard'
+        except Exception as e:  # ModuleNotFoundError: No module named 'tensorboard'
             log.warning("TensorBoard disabled (%s); `pip install tensorboard` to enable it", e)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -162,7 +175,7 @@ def _run_with_timeout(fn, timeout_s: float, what: str) -> bool:
     def target():
         try:
             fn()
-        except BaseException as e:   # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             err.append(e)
 
     t = threading.Thread(target=target, name=f"metrics-{what}", daemon=True)
@@ -181,9 +194,16 @@ class WandbSink(Sink):
 
     name = "wandb"
 
-    def __init__(self, run_dir: str | Path, mode: str = "offline", project: str = "dflash-trainer",
-                 config: dict | None = None, run_name: str | None = None,
-                 init_timeout_s: float = 30.0, finish_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        mode: str = "offline",
+        project: str = "dflash-trainer",
+        config: dict | None = None,
+        run_name: str | None = None,
+        init_timeout_s: float = 30.0,
+        finish_timeout_s: float = 30.0,
+    ):
         self._warn = _WarnOnce(self.name)
         self._run = None
         self.mode = mode
@@ -195,8 +215,12 @@ class WandbSink(Sink):
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        kwargs = dict(project=project, dir=str(run_dir), name=run_name or run_dir.name,
-                      config=redact(config or {}))
+        kwargs = dict(
+            project=project,
+            dir=str(run_dir),
+            name=run_name or run_dir.name,
+            config=redact(config or {}),
+        )
         modes = [mode] if mode != "online" else ["online", "offline"]
         for m in modes:
             try:
@@ -205,9 +229,14 @@ class WandbSink(Sink):
                 self.mode = m
                 break
             except Exception as e:
-                log.warning("W&B init (mode=%s) failed: %s%s", m, e,
-                            "; falling back to offline (upload later with `wandb sync`)"
-                            if m == "online" else "; W&B disabled")
+                log.warning(
+                    "W&B init (mode=%s) failed: %s%s",
+                    m,
+                    e,
+                    "; falling back to offline (upload later with `wandb sync`)"
+                    if m == "online"
+                    else "; W&B disabled",
+                )
         if self._run is not None:
             try:
                 # One row per monitor log; charts use the drafter step as their x-axis. We never
@@ -232,8 +261,11 @@ class WandbSink(Sink):
     def event(self, record: dict[str, Any], step: int) -> None:
         if self._run is None:
             return
-        nums = {k: v for k, v in record.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        nums = {
+            k: v
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if nums:
             self.log(nums, step)
 
@@ -241,12 +273,14 @@ class WandbSink(Sink):
         run, self._run = self._run, None
         if run is None:
             return
+
         def finish():
             run.finish()
             # wandb 0.31 offline: finish() can return before wandb-core has written the last
             # records to run-<id>.wandb (seen: a 7-byte file right after finish). teardown()
             # shuts the service down after flushing. Only the monitor uses W&B in this process.
             import wandb
+
             wandb.teardown()
 
         try:
@@ -273,16 +307,25 @@ class ConsoleSink(Sink):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         g = metrics.get
-        depths = " ".join(f"{k[6:-6]}={int(v)}" for k, v in metrics.items()
-                          if k.startswith("queue/") and k.endswith("/depth"))
-        self._log.info("step %d | loss %s | accept_len %s | target %s tok/s | drafter %s tok/s"
-                       " | queues %s", step, _fmt(g("drafter/loss"), ".4f"),
-                       _fmt(g("drafter/accept_len"), ".2f"), _fmt(g("tput/target_tok_s"), ".0f"),
-                       _fmt(g("tput/drafter_tok_s"), ".0f"), depths or "-")
+        depths = " ".join(
+            f"{k[6:-6]}={int(v)}"
+            for k, v in metrics.items()
+            if k.startswith("queue/") and k.endswith("/depth")
+        )
+        self._log.info(
+            "step %d | loss %s | accept_len %s | target %s tok/s | drafter %s tok/s | queues %s",
+            step,
+            _fmt(g("drafter/loss"), ".4f"),
+            _fmt(g("drafter/accept_len"), ".2f"),
+            _fmt(g("tput/target_tok_s"), ".0f"),
+            _fmt(g("tput/drafter_tok_s"), ".0f"),
+            depths or "-",
+        )
 
     def event(self, record: dict[str, Any], step: int) -> None:
-        items = " ".join(f"{k}={_fmt(v, '.4g') if isinstance(v, float) else v}"
-                         for k, v in record.items())
+        items = " ".join(
+            f"{k}={_fmt(v, '.4g') if isinstance(v, float) else v}" for k, v in record.items()
+        )
         self._log.info("step %d | %s", step, items)
 
 
@@ -297,8 +340,9 @@ class MultiSink(Sink):
 
     @property
     def errors(self) -> int:
-        return (sum(w.errors for w in self._warns.values())
-                + sum(getattr(s, "errors", 0) for s in self.sinks))
+        return sum(w.errors for w in self._warns.values()) + sum(
+            getattr(s, "errors", 0) for s in self.sinks
+        )
 
     def _each(self, what: str, *args) -> None:
         for s in self.sinks:
@@ -323,10 +367,16 @@ def build_sinks(metrics_cfg, run_dir: str | Path, config_dict: dict | None = Non
     if metrics_cfg.tensorboard:
         sinks.append(TensorBoardSink(run_dir))
     if metrics_cfg.wandb != "off" and os.environ.get("WANDB_MODE") != "disabled":
-        sinks.append(WandbSink(
-            run_dir, mode=metrics_cfg.wandb, project=metrics_cfg.wandb_project, config=config_dict,
-            init_timeout_s=getattr(metrics_cfg, "wandb_init_timeout_s", 30.0),
-            finish_timeout_s=getattr(metrics_cfg, "wandb_finish_timeout_s", 30.0)))
+        sinks.append(
+            WandbSink(
+                run_dir,
+                mode=metrics_cfg.wandb,
+                project=metrics_cfg.wandb_project,
+                config=config_dict,
+                init_timeout_s=getattr(metrics_cfg, "wandb_init_timeout_s", 30.0),
+                finish_timeout_s=getattr(metrics_cfg, "wandb_finish_timeout_s", 30.0),
+            )
+        )
     if metrics_cfg.console:
         sinks.append(ConsoleSink())
     return MultiSink(sinks)

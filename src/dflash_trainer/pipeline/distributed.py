@@ -65,8 +65,13 @@ class PeerFailure(RuntimeError):
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 
 
-def cell_layout(drafter_device: str, target_devices: list[str], cpu_threads: int,
-                local_rank: int, local_world_size: int) -> tuple[str, list[str], int]:
+def cell_layout(
+    drafter_device: str,
+    target_devices: list[str],
+    cpu_threads: int,
+    local_rank: int,
+    local_world_size: int,
+) -> tuple[str, list[str], int]:
     """This local rank's (drafter device, target devices, cpu threads).
 
     CUDA rule: the config names the devices of cell 0; cell size = highest CUDA index named + 1;
@@ -96,8 +101,9 @@ def localize_config(cfg, local_rank: int, local_world_size: int):
     """A copy of `cfg` with this cell's devices and thread budget (see `cell_layout`)."""
     out = copy.deepcopy(cfg)
     p = out.pipeline
-    d, t, threads = cell_layout(p.drafter_device, list(p.target_devices), p.cpu_threads,
-                                local_rank, local_world_size)
+    d, t, threads = cell_layout(
+        p.drafter_device, list(p.target_devices), p.cpu_threads, local_rank, local_world_size
+    )
     cuda_needed = [x for x in [d, *t] if x.startswith("cuda")]
     if cuda_needed:
         have = torch.cuda.device_count()
@@ -107,7 +113,8 @@ def localize_config(cfg, local_rank: int, local_world_size: int):
                 f"local rank {local_rank} needs {worst + 1} CUDA devices (cell of "
                 f"pipeline.drafter_device={p.drafter_device!r} + pipeline.target_devices="
                 f"{list(p.target_devices)} offset by local_rank x cell size) but {have} are "
-                "visible; lower --nproc-per-node or name fewer devices per cell.")
+                "visible; lower --nproc-per-node or name fewer devices per cell."
+            )
     p.drafter_device, p.target_devices, p.cpu_threads = d, t, threads
     return out
 
@@ -121,8 +128,8 @@ class DistContext:
     local_world_size: int
     backend: str
     timeout_s: float
-    store: object = None                 # PrefixStore over the rendezvous store
-    ctrl: object = None                  # gloo group: votes, gathers
+    store: object = None  # PrefixStore over the rendezvous store
+    ctrl: object = None  # gloo group: votes, gathers
     _seq: int = 0
     _hb: dict = field(default_factory=dict)
 
@@ -136,9 +143,14 @@ class DistContext:
         replica starts identical even if seeding differed. Buffers (RoPE tables) are derived
         from the config, identical everywhere: no per-forward broadcast."""
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         dev = next(module.parameters()).device
-        return DDP(module, device_ids=[dev] if dev.type == "cuda" else None,
-                   forward_sync_buffers=False, gradient_as_bucket_view=True)
+        return DDP(
+            module,
+            device_ids=[dev] if dev.type == "cuda" else None,
+            forward_sync_buffers=False,
+            gradient_as_bucket_view=True,
+        )
 
     # ---- collectives on the gloo control group (CPU tensors only: never a device sync)
     def agree_stop(self, local_stop: bool) -> bool:
@@ -177,12 +189,14 @@ class DistContext:
         if getattr(err, "_dflash_explained", False):
             return err
         if isinstance(err, StageError) and isinstance(err.__cause__, PeerFailure):
-            out = err                                    # raised by check_peers: names the rank
+            out = err  # raised by check_peers: names the rank
         else:
             peer = self.peer_failure()
             if peer is not None:
-                out = StageError(peer.split(":", 1)[0].replace(" ", ""),
-                                 f"{peer} (rank {self.rank} stopped because of it: {err})")
+                out = StageError(
+                    peer.split(":", 1)[0].replace(" ", ""),
+                    f"{peer} (rank {self.rank} stopped because of it: {err})",
+                )
                 out.__cause__ = err
             else:
                 self.report_failure(str(err))
@@ -220,7 +234,7 @@ class DistContext:
             try:
                 if self.store.check([key]):
                     out[r] = json.loads(self.store.get(key).decode())
-            except Exception:  # noqa: BLE001 - best effort, like every collector
+            except Exception:  # best effort, like every collector
                 continue
         return out
 
@@ -240,38 +254,67 @@ def init_from_env(pipeline_cfg) -> DistContext | None:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     timeout_s = float(pipeline_cfg.collective_timeout_s)
     timeout = timedelta(seconds=timeout_s)
-    drafter_dev, _, _ = cell_layout(pipeline_cfg.drafter_device, list(pipeline_cfg.target_devices),
-                                    pipeline_cfg.cpu_threads, local_rank, local_world)
+    drafter_dev, _, _ = cell_layout(
+        pipeline_cfg.drafter_device,
+        list(pipeline_cfg.target_devices),
+        pipeline_cfg.cpu_threads,
+        local_rank,
+        local_world,
+    )
     backend = "nccl" if drafter_dev.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(drafter_dev))
     # Our own rendezvous (same as init_method="env://") so that we keep the store for metrics.
-    store, rank, world = next(dist.rendezvous("env://", rank=rank, world_size=world,
-                                              timeout=timeout))
+    store, rank, world = next(
+        dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout)
+    )
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     # A group of its own even on CPU: votes and gathers never queue behind DDP's buckets.
     ctrl = dist.new_group(backend="gloo", timeout=timeout)
-    ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank,
-                      local_world_size=local_world, backend=backend, timeout_s=timeout_s,
-                      store=dist.PrefixStore("dflash/", store), ctrl=ctrl)
-    log.info("rank %d/%d (local %d/%d): %s, drafter on %s", rank, world, local_rank, local_world,
-             backend, drafter_dev)
+    ctx = DistContext(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        backend=backend,
+        timeout_s=timeout_s,
+        store=dist.PrefixStore("dflash/", store),
+        ctrl=ctrl,
+    )
+    log.info(
+        "rank %d/%d (local %d/%d): %s, drafter on %s",
+        rank,
+        world,
+        local_rank,
+        local_world,
+        backend,
+        drafter_dev,
+    )
     return ctx
 
 
 # ------------------------------------------------------------------------------- metrics merge
 _SUMS = ("tokens", "steps", "micro_steps")
-_PER_RANK = {"step_ms": "prof/{drafter}/host_step_ms", "drafter_tok_s": "tput/drafter_tok_s",
-             "target_tok_s": "tput/target_tok_s", "balance": "tput/balance"}
+_PER_RANK = {
+    "step_ms": "prof/{drafter}/host_step_ms",
+    "drafter_tok_s": "tput/drafter_tok_s",
+    "target_tok_s": "tput/target_tok_s",
+    "balance": "tput/balance",
+}
 
 
-def rank_snapshot(state, latest: dict, counters=None, elapsed_s: float = 0.0,
-                  final: bool = False) -> dict:
+def rank_snapshot(
+    state, latest: dict, counters=None, elapsed_s: float = 0.0, final: bool = False
+) -> dict:
     """What one rank publishes: exact cumulative counters (TrainState) and its per-rank figures:
     the monitor's latest window where it has one, else the run's mean from the drafter worker's
     counters (short runs, the final snapshot)."""
-    snap = {"tokens": int(state.tokens), "steps": int(state.step),
-            "micro_steps": int(state.micro_step), "final": bool(final)}
+    snap = {
+        "tokens": int(state.tokens),
+        "steps": int(state.step),
+        "micro_steps": int(state.micro_step),
+        "final": bool(final),
+    }
     for name, key in _PER_RANK.items():
         for drafter in ("drafter0", "sequential0"):
             v = latest.get(key.format(drafter=drafter))
@@ -287,8 +330,10 @@ def rank_snapshot(state, latest: dict, counters=None, elapsed_s: float = 0.0,
 
 def merge_snapshots(snaps: dict[int, dict], world_size: int) -> dict[str, float]:
     """Sums for counters; min/max/mean and the rank of the min/max for per-rank figures."""
-    m: dict[str, float] = {"dist/world_size": float(world_size),
-                           "dist/ranks_reporting": float(len(snaps))}
+    m: dict[str, float] = {
+        "dist/world_size": float(world_size),
+        "dist/ranks_reporting": float(len(snaps)),
+    }
     if not snaps:
         return m
     for k in _SUMS:
@@ -306,7 +351,8 @@ def merge_snapshots(snaps: dict[int, dict], world_size: int) -> dict[str, float]
         m[f"dist/{name}/mean"] = sum(vals.values()) / len(vals)
     if "dist/drafter_tok_s/mean" in m:
         m["dist/tput/drafter_tok_s"] = m["dist/drafter_tok_s/mean"] * len(
-            [s for s in snaps.values() if "drafter_tok_s" in s])
+            [s for s in snaps.values() if "drafter_tok_s" in s]
+        )
     return m
 
 
@@ -324,7 +370,7 @@ class MergingSink:
     def log(self, metrics: dict, step: int) -> None:
         try:
             metrics.update(merge_snapshots(self.ctx.snapshots(), self.ctx.world_size))
-        except Exception as e:  # noqa: BLE001 - a collector: best effort
+        except Exception as e:  # a collector: best effort
             log.warning("merging rank metrics failed: %s", e)
         self.inner.log(metrics, step)
 
@@ -349,6 +395,7 @@ def resume_position(ck_path: Path, *, rank: int, world_size: int, seed: int):
     `set_rng` is applied after `load_checkpoint` (which restores rank 0's generator).
     """
     from dflash_trainer.checkpoint import TrainState
+
     path = Path(ck_path)
     meta = json.loads((path / "state.json").read_text())
     base = TrainState.from_json(meta["train_state"])
@@ -366,20 +413,32 @@ def resume_position(ck_path: Path, *, rank: int, world_size: int, seed: int):
             gens = blob.get("rank_generators")
             if gens:
                 generator.set_state(gens[rank])
+
         return state, (epoch_skip or None), set_rng
     per_rank = ranks or [meta["train_state"]]
     done = set(epoch_skip)
     for r in per_rank:
         done.update(r.get("consumed_samples") or [])
-    state = TrainState(step=base.step, micro_step=base.micro_step, epoch=base.epoch, consumed=[],
-                       consumed_samples=[],
-                       tokens=sum(r.get("tokens", 0) for r in per_rank) if rank == 0 else 0)
-    log.info("resuming a %d-rank checkpoint on %d ranks: the rest of epoch %d is re-planned "
-             "without the %d samples already trained", saved_world, world_size, state.epoch,
-             len(done))
+    state = TrainState(
+        step=base.step,
+        micro_step=base.micro_step,
+        epoch=base.epoch,
+        consumed=[],
+        consumed_samples=[],
+        tokens=sum(r.get("tokens", 0) for r in per_rank) if rank == 0 else 0,
+    )
+    log.info(
+        "resuming a %d-rank checkpoint on %d ranks: the rest of epoch %d is re-planned "
+        "without the %d samples already trained",
+        saved_world,
+        world_size,
+        state.epoch,
+        len(done),
+    )
 
     def reseed(generator):
         generator.manual_seed(seed * 1000003 + rank + 7919 * (base.step + 1))
+
     return state, sorted(done), reseed
 
 
@@ -402,8 +461,16 @@ def strip_nproc(argv: list[str]) -> list[str]:
 
 def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
     """`python -m torch.distributed.run --standalone --nproc-per-node N -m dflash_trainer ARGV`."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={int(nproc)}", "-m", "dflash_trainer", *strip_nproc(argv)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={int(nproc)}",
+        "-m",
+        "dflash_trainer",
+        *strip_nproc(argv),
+    ]
 
 
 def launch_torchrun(nproc: int, argv: list[str]) -> int:
@@ -420,6 +487,7 @@ def _prepare_data_rank0_first(cfg, ctx: DistContext, target) -> dict:
     collective timeout."""
     from dflash_trainer.data.prepare import prepare_data
     from dflash_trainer.models.target import TargetModel
+
     if target is None:
         target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     if ctx.is_main:
@@ -441,6 +509,7 @@ def train_distributed(cfg, **train_kwargs):
     """Run this rank's cell of a torchrun job: init, localize devices, train, tear down.
     A failure is printed naming the rank that failed first, then the process exits at once."""
     from dflash_trainer.trainer import train
+
     ctx = init_from_env(cfg.pipeline)
     if ctx is None:
         return train(cfg, **train_kwargs)
@@ -449,7 +518,7 @@ def train_distributed(cfg, **train_kwargs):
         if train_kwargs.get("train_set") is None:
             train_kwargs.update(_prepare_data_rank0_first(cfg, ctx, train_kwargs.get("target")))
         result = train(cfg, dist=ctx, **train_kwargs)
-    except BaseException as e:  # noqa: BLE001 - any failure ends this rank, loudly and fast
+    except BaseException as e:  # any failure ends this rank, loudly and fast
         err = ctx.explain_failure(e)
         log.error("rank %d: %s", ctx.rank, err, exc_info=not isinstance(err, StageError))
         print(f"dflash-trainer: rank {ctx.rank}: error: {err}", file=sys.stderr, flush=True)

@@ -20,26 +20,31 @@ import torch
 class Batch:
     """A right-padded batch of tokenized conversations (CPU, pinned when CUDA is in use)."""
 
-    input_ids: torch.Tensor        # [B, S] long
-    loss_mask: torch.Tensor        # [B, S] bool: assistant tokens
-    attention_mask: torch.Tensor   # [B, S] long: 1 = real token
-    sample_ids: torch.Tensor       # [B] long: index into the dataset (sample ledger)
-    num_real_tokens: int           # sum(attention_mask), computed on CPU before any H2D
+    input_ids: torch.Tensor  # [B, S] long
+    loss_mask: torch.Tensor  # [B, S] bool: assistant tokens
+    attention_mask: torch.Tensor  # [B, S] long: 1 = real token
+    sample_ids: torch.Tensor  # [B] long: index into the dataset (sample ledger)
+    num_real_tokens: int  # sum(attention_mask), computed on CPU before any H2D
 
     @property
     def num_padded_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def pin_memory(self) -> "Batch":
-        return Batch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(),
-                     self.attention_mask.pin_memory(), self.sample_ids, self.num_real_tokens)
+    def pin_memory(self) -> Batch:
+        return Batch(
+            self.input_ids.pin_memory(),
+            self.loss_mask.pin_memory(),
+            self.attention_mask.pin_memory(),
+            self.sample_ids,
+            self.num_real_tokens,
+        )
 
 
 @dataclass
 class WorkItem:
-    seq_no: int      # position in the epoch's batch stream (for exact resume)
+    seq_no: int  # position in the epoch's batch stream (for exact resume)
     epoch: int
-    batch_id: int    # global, monotonically increasing across epochs
+    batch_id: int  # global, monotonically increasing across epochs
     batch: Batch
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
 
@@ -58,10 +63,10 @@ class HiddenBatch:
     seq_no: int
     epoch: int
     batch_id: int
-    input_ids: torch.Tensor        # [B, S] on the drafter device
-    loss_mask: torch.Tensor        # [B, S] bool on the drafter device
-    features: torch.Tensor         # [B, S, n*H] on the drafter device
-    sample_ids: torch.Tensor       # [B] CPU
+    input_ids: torch.Tensor  # [B, S] on the drafter device
+    loss_mask: torch.Tensor  # [B, S] bool on the drafter device
+    features: torch.Tensor  # [B, S, n*H] on the drafter device
+    sample_ids: torch.Tensor  # [B] CPU
     num_real_tokens: int
     ready_event: object | None = None
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
@@ -85,5 +90,5 @@ class StageFailure:
     tb: str
 
     @classmethod
-    def capture(cls, stage: str, exc: BaseException) -> "StageFailure":
+    def capture(cls, stage: str, exc: BaseException) -> StageFailure:
         return cls(stage, exc, "".join(traceback.format_exception(exc)))

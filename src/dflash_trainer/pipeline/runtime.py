@@ -50,7 +50,7 @@ class StageError(RuntimeError):
 
 @dataclass
 class RunOutcome:
-    reason: str                       # "finished" | "max_steps" | "signal"
+    reason: str  # "finished" | "max_steps" | "signal"
     wall_s: float
     failures: list = field(default_factory=list)
 
@@ -74,8 +74,9 @@ class SignalGuard:
             os._exit(128 + signum)
         self.signum = signum
         self.requested.set()
-        log.warning("signal %d: stopping, a checkpoint follows (send again to exit at once)",
-                    signum)
+        log.warning(
+            "signal %d: stopping, a checkpoint follows (send again to exit at once)", signum
+        )
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -85,11 +86,22 @@ class SignalGuard:
 class Supervisor:
     """Starts the stage threads, watches them from the main thread, stops them in order."""
 
-    def __init__(self, *, threads: list[threading.Thread], events: queue.Queue,
-                 stop: threading.Event, done: threading.Event, monitor=None,
-                 tick_s: float = 0.5, deadline_s: float = 30.0, stall_timeout_s: float = 0.0,
-                 max_consecutive_skips: int = 0, consecutive_skips=None, on_tick=None,
-                 signals: SignalGuard | None = None):
+    def __init__(
+        self,
+        *,
+        threads: list[threading.Thread],
+        events: queue.Queue,
+        stop: threading.Event,
+        done: threading.Event,
+        monitor=None,
+        tick_s: float = 0.5,
+        deadline_s: float = 30.0,
+        stall_timeout_s: float = 0.0,
+        max_consecutive_skips: int = 0,
+        consecutive_skips=None,
+        on_tick=None,
+        signals: SignalGuard | None = None,
+    ):
         self.threads = threads
         self.events = events
         self.stop = stop
@@ -99,7 +111,7 @@ class Supervisor:
         self.deadline_s = deadline_s
         self.stall_timeout_s = stall_timeout_s
         self.max_consecutive_skips = max_consecutive_skips
-        self.consecutive_skips = consecutive_skips   # () -> latest device count read by monitor
+        self.consecutive_skips = consecutive_skips  # () -> latest device count read by monitor
         self.on_tick = on_tick
         self.signals = signals
 
@@ -108,15 +120,21 @@ class Supervisor:
             alive = {t.name for t in self.threads if t.is_alive()}
             stalled = [n for n in self.monitor.stalled(self.stall_timeout_s) if n in alive]
             if stalled:
-                return StageError(stalled[0], f"no progress for more than "
-                                  f"{self.stall_timeout_s:.0f} s (pipeline.stall_timeout_s); "
-                                  "the stage is hung")
+                return StageError(
+                    stalled[0],
+                    f"no progress for more than "
+                    f"{self.stall_timeout_s:.0f} s (pipeline.stall_timeout_s); "
+                    "the stage is hung",
+                )
         if self.max_consecutive_skips and self.consecutive_skips is not None:
             consec = self.consecutive_skips()
             if consec >= self.max_consecutive_skips:
-                return StageError("drafter", f"{int(consec)} consecutive optimizer steps had a "
-                                  "non-finite loss or gradient (optim.max_consecutive_skips); "
-                                  "lower optim.lr or check the data/target dtype")
+                return StageError(
+                    "drafter",
+                    f"{int(consec)} consecutive optimizer steps had a "
+                    "non-finite loss or gradient (optim.max_consecutive_skips); "
+                    "lower optim.lr or check the data/target dtype",
+                )
         return None
 
     def run(self) -> RunOutcome:
@@ -159,8 +177,7 @@ class Supervisor:
                     if isinstance(ev, End):
                         ended.add(ev.producer)
                     elif isinstance(ev, StageFailure) and failure is None:
-                        failure = StageError(ev.stage, f"{type(ev.exc).__name__}: {ev.exc}",
-                                             ev.tb)
+                        failure = StageError(ev.stage, f"{type(ev.exc).__name__}: {ev.exc}", ev.tb)
                 dead = [n for n in dead if n not in ended]
                 if failure is not None:
                     break
@@ -183,6 +200,9 @@ class Supervisor:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
         stragglers = [t.name for t in self.threads if t.is_alive()]
         if stragglers:
-            log.error("stages still running after %.0f s: %s (abandoned; they are daemon "
-                      "threads)", self.deadline_s, ", ".join(stragglers))
+            log.error(
+                "stages still running after %.0f s: %s (abandoned; they are daemon threads)",
+                self.deadline_s,
+                ", ".join(stragglers),
+            )
         return stragglers

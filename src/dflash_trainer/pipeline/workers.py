@@ -32,11 +32,12 @@ class BatchOutOfMemory(RuntimeError):
 
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))   # CPU allocator
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )  # CPU allocator
 
 
 @contextlib.contextmanager
-def oom_context(stage: str, shape) -> "contextlib.AbstractContextManager":
+def oom_context(stage: str, shape) -> contextlib.AbstractContextManager:
     """Turn an OOM inside a step into a message a user can act on."""
     try:
         yield
@@ -44,19 +45,23 @@ def oom_context(stage: str, shape) -> "contextlib.AbstractContextManager":
         if not _is_oom(e):
             raise
         rows, seq = int(shape[0]), int(shape[1])
-        hint = ("batching.max_tokens (token budget per batch) or data.max_length"
-                if stage == "target" else
-                "batching.max_tokens or drafter.num_anchors, or set drafter.loss_chunk_blocks to a "
-                "few blocks (0 = auto: 128 MiB of logits on CPU, 2 GiB on CUDA)")
+        hint = (
+            "batching.max_tokens (token budget per batch) or data.max_length"
+            if stage == "target"
+            else "batching.max_tokens or drafter.num_anchors, or set drafter.loss_chunk_blocks to "
+            "a few blocks (0 = auto: 128 MiB of logits on CPU, 2 GiB on CUDA)"
+        )
         raise BatchOutOfMemory(
             f"out of memory in the {stage} step on a batch of {rows} x {seq} tokens; lower "
             f"{hint}, or give the stage more memory. ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200]})") from e
+            f"{str(e).splitlines()[0][:200]})"
+        ) from e
 
 
 class FaultInjector:
     """`STAGE[@RANK]:STEP[:KIND]`: when STAGE's step counter reaches STEP, raise (default), `hang`,
-    `oom` (an out-of-memory error inside the step), or send this process a `sigterm` (tests the graceful-stop path end to end). With `@RANK` it
+    `oom` (an out-of-memory error inside the step), or send this process a `sigterm` (tests the
+    graceful-stop path end to end). With `@RANK` it
     fires only in that torchrun rank."""
 
     def __init__(self, spec: str, rank: int = 0):
@@ -76,14 +81,15 @@ class FaultInjector:
         if self.kind == "sigterm":
             import os
             import signal
-            self.stage = None                     # once
+
+            self.stage = None  # once
             os.kill(os.getpid(), signal.SIGTERM)
             return
         if self.kind == "oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected in {stage} at step {step})")
         if self.kind == "hang":
             log.warning("fault hook: %s hangs at step %d", stage, step)
-            while True:           # a stuck stage: ignores everything; the stall detector aborts
+            while True:  # a stuck stage: ignores everything; the stall detector aborts
                 time.sleep(1.0)
         raise InjectedFault(f"injected fault in stage '{stage}' at step {step}")
 
@@ -91,9 +97,15 @@ class FaultInjector:
 class Worker(threading.Thread):
     """Base: runs `loop()`, turns its exit into an End or a StageFailure on `events`."""
 
-    def __init__(self, name: str, events: queue.Queue, stop: threading.Event, threads: int,
-                 faults: FaultInjector):
-        super().__init__(name=name, daemon=True)   # daemon: a hung stage cannot block exit
+    def __init__(
+        self,
+        name: str,
+        events: queue.Queue,
+        stop: threading.Event,
+        threads: int,
+        faults: FaultInjector,
+    ):
+        super().__init__(name=name, daemon=True)  # daemon: a hung stage cannot block exit
         self.counters = WorkerCounters(name=name)
         self.events = events
         self.stop = stop
@@ -106,7 +118,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         if self.threads > 0:
-            torch.set_num_threads(self.threads)   # per-thread OpenMP team size on CPU
+            torch.set_num_threads(self.threads)  # per-thread OpenMP team size on CPU
         try:
             if Worker.thread_context is not None:
                 with Worker.thread_context(self):
@@ -116,7 +128,7 @@ class Worker(threading.Thread):
             self.events.put(End(self.name))
         except Stopped:
             self.events.put(End(self.name))
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the supervisor
+        except BaseException as e:  # every failure must reach the supervisor
             self.counters.errors += 1
             self.events.put(StageFailure.capture(self.name, e))
 
@@ -134,8 +146,19 @@ class Worker(threading.Thread):
 class TargetWorker(Worker):
     """work_q -> TargetStep -> hs_q. Passes EpochEnd on; on End re-queues it for its siblings."""
 
-    def __init__(self, name, events, stop, threads, faults, *, step_fn, work_q: BoundedQueue,
-                 hs_q: BoundedQueue, lock: threading.Lock):
+    def __init__(
+        self,
+        name,
+        events,
+        stop,
+        threads,
+        faults,
+        *,
+        step_fn,
+        work_q: BoundedQueue,
+        hs_q: BoundedQueue,
+        lock: threading.Lock,
+    ):
         super().__init__(name, events, stop, threads, faults)
         self.step_fn, self.work_q, self.hs_q, self.lock = step_fn, work_q, hs_q, lock
 
@@ -144,7 +167,7 @@ class TargetWorker(Worker):
         while True:
             item = self._get(self.work_q)
             if isinstance(item, End):
-                self.work_q.put_nowait(item)    # siblings must see it too
+                self.work_q.put_nowait(item)  # siblings must see it too
                 self.hs_q.put(End(self.name), self.stop)
                 return
             if isinstance(item, EpochEnd):
@@ -174,19 +197,19 @@ class Trainer:
 
     def __init__(self, *, step_fn, state, max_steps: int, on_step_end=None):
         self.step_fn = step_fn
-        self.state = state                      # checkpoint.TrainState
+        self.state = state  # checkpoint.TrainState
         if self.state.consumed is None:
             self.state.consumed = []
         self.max_steps = max_steps
-        self.on_step_end = on_step_end          # callable(step) for checkpoint/eval; may be None
-        self.ledger: list[tuple[int, list[int]]] = []   # (epoch, sample ids) since last drain
+        self.on_step_end = on_step_end  # callable(step) for checkpoint/eval; may be None
+        self.ledger: list[tuple[int, list[int]]] = []  # (epoch, sample ids) since last drain
         if self.state.consumed_samples is None:
             self.state.consumed_samples = []
         # torchrun: callable() -> bool run after every optimizer step on every rank (a collective:
         # all ranks stop after the same step); True = stop now. None in a single process.
         self.stop_vote = None
         self.stopped_by_vote = False
-        self.queries_per_row = 0                # anchors x block size (drafter FLOP counting)
+        self.queries_per_row = 0  # anchors x block size (drafter FLOP counting)
 
     def consume(self, hb: HiddenBatch, counters: WorkerCounters) -> bool:
         """Train on one HiddenBatch. Returns False when max_steps is reached."""
@@ -200,7 +223,7 @@ class Trainer:
         self.state.consumed.append(hb.seq_no)
         self.state.micro_step += 1
         self.state.tokens += hb.num_real_tokens
-        ids = hb.sample_ids.tolist()                              # CPU tensor: no device sync
+        ids = hb.sample_ids.tolist()  # CPU tensor: no device sync
         self.ledger.append((hb.epoch, ids))
         self.state.consumed_samples.extend(ids)
         counters.items += int(hb.sample_ids.numel())
@@ -224,8 +247,19 @@ class Trainer:
 class DrafterWorker(Worker):
     """hs_q -> Trainer. Ends after an End from every target worker (or at max_steps)."""
 
-    def __init__(self, name, events, stop, threads, faults, *, trainer: Trainer,
-                 hs_q: BoundedQueue, num_producers: int, done: threading.Event):
+    def __init__(
+        self,
+        name,
+        events,
+        stop,
+        threads,
+        faults,
+        *,
+        trainer: Trainer,
+        hs_q: BoundedQueue,
+        num_producers: int,
+        done: threading.Event,
+    ):
         super().__init__(name, events, stop, threads, faults)
         self.trainer, self.hs_q, self.num_producers, self.done = trainer, hs_q, num_producers, done
 
@@ -237,8 +271,9 @@ class DrafterWorker(Worker):
                 ends += 1
                 continue
             if isinstance(item, EpochEnd):
-                log.info("drafter: epoch %d: all %d batches handed over", item.epoch,
-                         item.num_batches)
+                log.info(
+                    "drafter: epoch %d: all %d batches handed over", item.epoch, item.num_batches
+                )
                 continue
             with oom_context("drafter", item.input_ids.shape):
                 self.faults.check("drafter", c.steps, self.stop)
@@ -252,8 +287,20 @@ class SequentialWorker(Worker):
     """The baseline schedule: target step then drafter step in one thread, as existing
     trainers do. Same step functions as the pipelined schedule."""
 
-    def __init__(self, name, events, stop, threads, faults, *, target_step, trainer: Trainer,
-                 work_q: BoundedQueue, done: threading.Event, lock: threading.Lock):
+    def __init__(
+        self,
+        name,
+        events,
+        stop,
+        threads,
+        faults,
+        *,
+        target_step,
+        trainer: Trainer,
+        work_q: BoundedQueue,
+        done: threading.Event,
+        lock: threading.Lock,
+    ):
         super().__init__(name, events, stop, threads, faults)
         self.target_step, self.trainer, self.work_q = target_step, trainer, work_q
         self.done, self.lock = done, lock

@@ -38,30 +38,45 @@ def default_gamma(block_size: int) -> float:
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor            # 0-d, differentiable
-    metrics: torch.Tensor         # 1-D, detached, on the device
+    loss: torch.Tensor  # 0-d, differentiable
+    metrics: torch.Tensor  # 1-D, detached, on the device
     metric_names: list[str]
 
 
 class DFlashObjective:
-    def __init__(self, block_size: int, num_anchors: int, gamma: float = 0.0,
-                 mask_token_id: int = 0, chunk_blocks: int = 0, attention: str | None = None):
+    def __init__(
+        self,
+        block_size: int,
+        num_anchors: int,
+        gamma: float = 0.0,
+        mask_token_id: int = 0,
+        chunk_blocks: int = 0,
+        attention: str | None = None,
+    ):
         if block_size < 2:
             raise ValueError("block_size must be >= 2")
         self.block_size = block_size
         self.num_anchors = num_anchors
         self.gamma = float(gamma) if gamma and gamma > 0 else default_gamma(block_size)
         self.mask_token_id = int(mask_token_id)
-        self.chunk_blocks = max(0, int(chunk_blocks))                            # 0 = auto
+        self.chunk_blocks = max(0, int(chunk_blocks))  # 0 = auto
         self.attention = attention
         bs = block_size
-        self.metric_names = (["loss", "acc"] + [f"acc_{k}" for k in range(1, bs)]
-                             + ["accept_len", "num_blocks", "num_label_tokens"])
+        self.metric_names = (
+            ["loss", "acc"]
+            + [f"acc_{k}" for k in range(1, bs)]
+            + ["accept_len", "num_blocks", "num_label_tokens"]
+        )
 
     @classmethod
-    def from_config(cls, drafter_cfg, mask_token_id: int) -> "DFlashObjective":
-        return cls(drafter_cfg.block_size, drafter_cfg.num_anchors, drafter_cfg.gamma,
-                   mask_token_id, drafter_cfg.loss_chunk_blocks)
+    def from_config(cls, drafter_cfg, mask_token_id: int) -> DFlashObjective:
+        return cls(
+            drafter_cfg.block_size,
+            drafter_cfg.num_anchors,
+            drafter_cfg.gamma,
+            mask_token_id,
+            drafter_cfg.loss_chunk_blocks,
+        )
 
     def slot_weights(self, device) -> torch.Tensor:
         """[bs]: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1 (slot 1 has weight 1)."""
@@ -80,11 +95,11 @@ class DFlashObjective:
         N = self.num_anchors
         dev = loss_mask.device
         lm = loss_mask.bool()
-        ok = lm[:, :-1] & lm[:, 1:]                                               # p in 0..S-2
+        ok = lm[:, :-1] & lm[:, 1:]  # p in 0..S-2
         P = ok.shape[1]
         keys = torch.rand(B, P, device=dev, generator=generator)
         keys = torch.where(ok, keys, torch.full_like(keys, math.inf))
-        k = min(N, P)                                                             # shapes only
+        k = min(N, P)  # shapes only
         picked_keys, picked = torch.topk(keys, k, dim=1, largest=False, sorted=False)
         valid = torch.isfinite(picked_keys)
         # Sort by position with padding last: invalid entries get position + P.
@@ -98,8 +113,9 @@ class DFlashObjective:
             valid = F.pad(valid, (0, pad), value=False)
         return anchors.long(), valid
 
-    def build_blocks(self, input_ids: torch.Tensor, anchors: torch.Tensor,
-                     block_valid: torch.Tensor) -> torch.Tensor:
+    def build_blocks(
+        self, input_ids: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor
+    ) -> torch.Tensor:
         """Block token ids [B,N,bs]: [token at anchor, MASK...]; padding blocks all MASK."""
         B, N = anchors.shape
         first = input_ids.gather(1, anchors)
@@ -112,7 +128,7 @@ class DFlashObjective:
         """labels [B,N,bs] (same-position: input_ids[a+k]) and label_valid [B,N,bs] bool."""
         B, S = input_ids.shape
         slot = torch.arange(self.block_size, device=input_ids.device)
-        pos = anchors[:, :, None] + slot                                          # [B,N,bs]
+        pos = anchors[:, :, None] + slot  # [B,N,bs]
         in_range = pos < S
         pos_c = pos.clamp(max=S - 1).reshape(B, -1)
         labels = input_ids.gather(1, pos_c).view_as(pos)
@@ -121,16 +137,26 @@ class DFlashObjective:
         return labels, valid
 
     # ------------------------------------------------------------------------------------ loss
-    def __call__(self, drafter, embed_weight: torch.Tensor, lm_head, features: torch.Tensor,
-                 input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                 generator: torch.Generator | None = None) -> StepOutput:
+    def __call__(
+        self,
+        drafter,
+        embed_weight: torch.Tensor,
+        lm_head,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> StepOutput:
         B, S = input_ids.shape
         bs, N = self.block_size, self.num_anchors
         anchors, block_valid = self.sample_anchors(loss_mask, generator)
         block_ids = self.build_blocks(input_ids, anchors, block_valid)
         block_embeds = F.embedding(block_ids.reshape(B, N * bs), embed_weight.detach())
-        hidden = drafter(block_embeds, features, anchors, block_valid, self.attention) \
-            if self.attention else drafter(block_embeds, features, anchors, block_valid)
+        hidden = (
+            drafter(block_embeds, features, anchors, block_valid, self.attention)
+            if self.attention
+            else drafter(block_embeds, features, anchors, block_valid)
+        )
         labels, label_valid = self.build_labels(input_ids, loss_mask, anchors, block_valid)
         return self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid)
 
@@ -141,11 +167,13 @@ class DFlashObjective:
         """
         B, N, bs = labels.shape
         if any(p.requires_grad for p in lm_head.parameters()):
-            raise ValueError("lm_head must be frozen (requires_grad False): the chunked loss "
-                             "returns gradients for the drafter hidden states only")
+            raise ValueError(
+                "lm_head must be frozen (requires_grad False): the chunked loss "
+                "returns gradients for the drafter hidden states only"
+            )
         h = hidden.view(B, N, bs, -1)[:, :, 1:]
-        w = self.slot_weights(hidden.device)                                      # [bs]
-        wm = w * label_valid.float()                                              # [B,N,bs]
+        w = self.slot_weights(hidden.device)  # [bs]
+        wm = w * label_valid.float()  # [B,N,bs]
         need_grad = torch.is_grad_enabled() and hidden.requires_grad
         chunk = self.chunk_blocks or _auto_chunk_blocks(lm_head, B, bs - 1)
         num_parts, correct_parts = [], []
@@ -158,8 +186,8 @@ class DFlashObjective:
         num = torch.stack(num_parts).sum()
         den = wm.sum().clamp_min(1e-6)
         loss = num / den
-        correct = torch.cat(correct_parts, dim=1)                                 # [B,N,bs-1]
-        correct = F.pad(correct, (1, 0), value=False)                             # slot 0: given
+        correct = torch.cat(correct_parts, dim=1)  # [B,N,bs-1]
+        correct = F.pad(correct, (1, 0), value=False)  # slot 0: given
         metrics = self._metrics(loss.detach(), correct, label_valid, block_valid)
         return StepOutput(loss=loss, metrics=metrics, metric_names=list(self.metric_names))
 
@@ -170,12 +198,20 @@ class DFlashObjective:
         acc = hit.sum() / n_lab.clamp_min(1.0)
         acc_k = hit.sum(dim=(0, 1))[1:] / lv.sum(dim=(0, 1))[1:].clamp_min(1.0)  # [bs-1]
         # Simulated acceptance per block: longest correct prefix of slots 1.. (+1 bonus token).
-        accepted = hit[:, :, 1:].cumprod(dim=2).sum(dim=2) + 1.0                  # [B,N]
+        accepted = hit[:, :, 1:].cumprod(dim=2).sum(dim=2) + 1.0  # [B,N]
         bv = block_valid.float()
         n_blocks = bv.sum()
         accept_len = (accepted * bv).sum() / n_blocks.clamp_min(1.0)
-        return torch.cat([loss.float().view(1), acc.view(1), acc_k, accept_len.view(1),
-                          n_blocks.view(1), n_lab.view(1)])
+        return torch.cat(
+            [
+                loss.float().view(1),
+                acc.view(1),
+                acc_k,
+                accept_len.view(1),
+                n_blocks.view(1),
+                n_lab.view(1),
+            ]
+        )
 
 
 # Auto LM-head chunk: about this many fp32 logits per chunk.
@@ -190,7 +226,7 @@ _LOSS_CHUNK_ELEMS = {"cpu": 1 << 25, "cuda": 1 << 29}
 
 def _auto_chunk_blocks(lm_head, rows: int, slots: int) -> int:
     weight = getattr(lm_head, "weight", None)
-    if not isinstance(weight, torch.Tensor):       # an opaque head module: assume 64k, CPU
+    if not isinstance(weight, torch.Tensor):  # an opaque head module: assume 64k, CPU
         return chunk_blocks_for(1 << 16, "cpu", rows, slots)
     return chunk_blocks_for(weight.shape[0], weight.device.type, rows, slots)
 
@@ -207,7 +243,7 @@ def _chunk_ce(h, lm_head, labels, wm, need_grad=False):
     The chunk's logits [B,n,k,V] exist only inside this call."""
     if isinstance(lm_head, nn.Linear) and lm_head.bias is None:
         return _linear_ce(h, lm_head.weight, labels, wm, need_grad)
-    with torch.enable_grad() if need_grad else torch.no_grad():   # any frozen head module
+    with torch.enable_grad() if need_grad else torch.no_grad():  # any frozen head module
         hh = h.detach().requires_grad_(need_grad)
         logits = lm_head(hh).float()
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
@@ -228,8 +264,8 @@ def _linear_ce(h, weight, labels, wm, need_grad):
     """
     x = h.reshape(-1, h.shape[-1])
     lab, w = labels.reshape(-1, 1), wm.reshape(-1, 1)
-    logits = F.linear(x, weight)                             # F.linear follows autocast
-    mx, arg = logits.max(dim=-1, keepdim=True)               # one pass for both
+    logits = F.linear(x, weight)  # F.linear follows autocast
+    mx, arg = logits.max(dim=-1, keepdim=True)  # one pass for both
     correct = (arg == lab).view_as(labels)
     target = logits.gather(1, lab).float()
     mx = mx.float()
@@ -238,8 +274,9 @@ def _linear_ce(h, weight, labels, wm, need_grad):
     if logits.dtype == torch.float32:
         z = logits.sub_(mx)
     else:
-        z = torch.sub(logits, mx, out=torch.empty(logits.shape, dtype=torch.float32,
-                                                   device=logits.device))
+        z = torch.sub(
+            logits, mx, out=torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        )
     del logits
     z.exp_()
     se = z.sum(dim=-1, keepdim=True)
@@ -247,10 +284,13 @@ def _linear_ce(h, weight, labels, wm, need_grad):
     num = ((lse - target) * w).sum()
     grad_h = None
     if need_grad:
-        g = z.mul_(w / se)                                   # w * softmax, in place
-        g.scatter_add_(1, lab, -w)                           # - w * onehot(label)
-        cdt = x.dtype if not torch.is_autocast_enabled(x.device.type) \
+        g = z.mul_(w / se)  # w * softmax, in place
+        g.scatter_add_(1, lab, -w)  # - w * onehot(label)
+        cdt = (
+            x.dtype
+            if not torch.is_autocast_enabled(x.device.type)
             else torch.get_autocast_dtype(x.device.type)
+        )
         grad_h = torch.matmul(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
     return num, correct, grad_h
 

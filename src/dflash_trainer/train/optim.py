@@ -18,8 +18,14 @@ from dflash_trainer.config import OptimConfig
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
     params = [p for p in params if p.requires_grad]
     # fused AdamW exists on CPU and CUDA and is what makes the device-side skip possible.
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=True)
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=True,
+    )
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
@@ -51,13 +57,15 @@ def segmented_lr_lambda(cfg: OptimConfig, segments: list):
         def fn(step, prev=fn, prev_total=prev_total, total=total, resume=resume):
             if step <= resume:
                 return prev(step)
-            frac = (step - resume) / max(1, total - resume)               # of what is left
+            frac = (step - resume) / max(1, total - resume)  # of what is left
             return prev(resume + frac * (prev_total - resume))
+
     return fn
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
-                    segments: list | None = None):
+def build_scheduler(
+    opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, segments: list | None = None
+):
     """`segments`: see segmented_lr_lambda (None = a fresh total_steps schedule)."""
     fn = segmented_lr_lambda(cfg, segments) if segments else lr_lambda(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(opt, fn)
@@ -69,8 +77,9 @@ class GuardedStep:
     Device counters: `skipped` (total) and `consecutive` (reset by a finite step).
     """
 
-    def __init__(self, optimizer: torch.optim.AdamW, params, grad_clip: float,
-                 device: torch.device):
+    def __init__(
+        self, optimizer: torch.optim.AdamW, params, grad_clip: float, device: torch.device
+    ):
         self.opt = optimizer
         self.params = [p for p in params if p.requires_grad]
         self.grad_clip = grad_clip

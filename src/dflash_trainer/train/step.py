@@ -43,8 +43,9 @@ class TargetStep:
         m = self._masks.get(seq_len)
         if m is None:
             dtype = self.target.dtype
-            m = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype,
-                           device=self.device).triu(1)[None, None]
+            m = torch.full(
+                (seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=self.device
+            ).triu(1)[None, None]
             self._masks[seq_len] = m
         return m
 
@@ -52,11 +53,14 @@ class TargetStep:
         """The target's tap integrity check through this step's own capture path (the cached
         4-D causal mask included). Startup only."""
         return self.target.check_taps(
-            lambda ids: self.target.features(ids, self._causal_mask(ids.shape[1])))
+            lambda ids: self.target.features(ids, self._causal_mask(ids.shape[1]))
+        )
 
     def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
         b: Batch = item.batch
-        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        ctx = (
+            torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        )
         if counters is not None and counters.gpu_timer is None:
             counters.gpu_timer = self.timer
         with ctx:
@@ -84,10 +88,17 @@ class TargetStep:
             counters.add_phase("h2d", t1 - t0)
             counters.add_phase("forward", t2 - t1)
             counters.add_phase("handoff", t3 - t2)
-        return HiddenBatch(seq_no=item.seq_no, epoch=item.epoch, batch_id=item.batch_id,
-                           input_ids=ids_d, loss_mask=mask_d, features=feats,
-                           sample_ids=b.sample_ids, num_real_tokens=b.num_real_tokens,
-                           ready_event=event)
+        return HiddenBatch(
+            seq_no=item.seq_no,
+            epoch=item.epoch,
+            batch_id=item.batch_id,
+            input_ids=ids_d,
+            loss_mask=mask_d,
+            features=feats,
+            sample_ids=b.sample_ids,
+            num_real_tokens=b.num_real_tokens,
+            ready_event=event,
+        )
 
 
 class DrafterStep:
@@ -99,9 +110,22 @@ class DrafterStep:
     def metric_names(cls, objective) -> list[str]:
         return list(objective.metric_names) + cls.EXTRA_METRICS
 
-    def __init__(self, *, drafter, objective, embed_weight, lm_head, optimizer, scheduler,
-                 guard, generator: torch.Generator, device: torch.device, grad_accum: int,
-                 autocast_bf16: bool, ring):
+    def __init__(
+        self,
+        *,
+        drafter,
+        objective,
+        embed_weight,
+        lm_head,
+        optimizer,
+        scheduler,
+        guard,
+        generator: torch.Generator,
+        device: torch.device,
+        grad_accum: int,
+        autocast_bf16: bool,
+        ring,
+    ):
         self.drafter = drafter
         self.objective = objective
         self.embed_weight = embed_weight
@@ -113,7 +137,7 @@ class DrafterStep:
         self.device = torch.device(device)
         self.grad_accum = grad_accum
         self.autocast_bf16 = autocast_bf16
-        self.ring = ring       # ScalarRing over metric_names() (observe/scalars.py)
+        self.ring = ring  # ScalarRing over metric_names() (observe/scalars.py)
         self.stream = torch.cuda.current_stream(self.device) if _is_cuda(self.device) else None
         self.timer = StepTimer(self.device)
         self.micro = 0
@@ -128,8 +152,11 @@ class DrafterStep:
             counters.gpu_timer = self.timer
         t0 = time.perf_counter_ns()
         tok = self.timer.start(self.stream)
-        ac = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
-              else contextlib.nullcontext())
+        ac = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.autocast_bf16
+            else contextlib.nullcontext()
+        )
         stepped = (self.micro + 1) % self.grad_accum == 0
         # DDP: only the micro-step that completes an optimizer step all-reduces gradients; the
         # others accumulate locally (forward and backward must both run inside no_sync).
@@ -137,8 +164,15 @@ class DrafterStep:
         sync_ctx = no_sync() if (no_sync is not None and not stepped) else contextlib.nullcontext()
         with sync_ctx:
             with ac:
-                out = self.objective(self.drafter, self.embed_weight, self.lm_head, hb.features,
-                                     hb.input_ids, hb.loss_mask, self.generator)
+                out = self.objective(
+                    self.drafter,
+                    self.embed_weight,
+                    self.lm_head,
+                    hb.features,
+                    hb.input_ids,
+                    hb.loss_mask,
+                    self.generator,
+                )
             t1 = time.perf_counter_ns()
             (out.loss / self.grad_accum).backward()
         t2 = time.perf_counter_ns()
@@ -146,10 +180,15 @@ class DrafterStep:
         if stepped:
             grad_norm, _ = self.guard(out.loss)
             self.sched.step()
-            if self.ring is not None:       # None only when observability is switched off
-                vec = torch.cat([out.metrics.detach().float().reshape(-1),
-                                 grad_norm.float().reshape(1), self.guard.skipped.reshape(1),
-                                 self.guard.consecutive.reshape(1)])
+            if self.ring is not None:  # None only when observability is switched off
+                vec = torch.cat(
+                    [
+                        out.metrics.detach().float().reshape(-1),
+                        grad_norm.float().reshape(1),
+                        self.guard.skipped.reshape(1),
+                        self.guard.consecutive.reshape(1),
+                    ]
+                )
                 self.ring.push(step + 1, vec)
             if counters is not None:
                 counters.gauges["lr"] = self.sched.get_last_lr()[0]
