@@ -16,8 +16,8 @@ import torch
 from dflash_trainer.config import load_config
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.flops import FlopsModel
+from dflash_trainer.run.build import build_drafter
 from dflash_trainer.train.objective import DFlashObjective
-from dflash_trainer.trainer import build_drafter
 
 
 def matmul_peak(dtype, n=2048, reps=8) -> float:

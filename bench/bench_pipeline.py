@@ -33,9 +33,10 @@ from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
 from dflash_trainer.data.prefetcher import build_batch
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.run import train
+from dflash_trainer.run.build import build_drafter, thread_split
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
-from dflash_trainer.trainer import build_drafter, thread_split, train
 
 
 def synthetic_dataset(n: int, vocab: int, seed: int = 0) -> TokenizedDataset:

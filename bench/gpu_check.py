@@ -29,7 +29,7 @@ from bench_pipeline import synthetic_dataset  # noqa: E402
 from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.models.target import TargetModel, tap_layer_ids  # noqa: E402
 from dflash_trainer.observe.flops import peak_tflops  # noqa: E402
-from dflash_trainer.trainer import train  # noqa: E402
+from dflash_trainer.run import train  # noqa: E402
 
 
 def qwen3_8b_target(layers: int = 36) -> TargetModel:

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from dflash_trainer.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from dflash_trainer.pipeline.runtime import StageError  # noqa: E402
-from dflash_trainer.trainer import build_drafter, train  # noqa: E402
+from dflash_trainer.run import train  # noqa: E402
+from dflash_trainer.run.build import build_drafter  # noqa: E402
 
 
 def rss_mib() -> float:

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_trainer.observe.balance import assess
 from dflash_trainer.observe.counters import WorkerCounters
-from dflash_trainer.trainer import train
+from dflash_trainer.run import train
 from tiny import tiny_config, tiny_dataset, tiny_target
 
 S = 10**9  # ns per second
@@ -64,7 +64,7 @@ def test_train_reports_the_balance(tmp_path, monkeypatch):
     import functools
     import json
 
-    import dflash_trainer.trainer as T
+    import dflash_trainer.run.trainer as T
 
     monkeypatch.setattr(T, "assess_balance", functools.partial(assess, min_busy_s=0.0))
     cfg = tiny_config(tmp_path, **{"optim.epochs": 2})

@@ -77,7 +77,9 @@ def _rank_main(spec: dict) -> None:
 
     dmod.DistContext.ddp_wrap = wrap
     cfg = tiny_config(Path(spec["base"]), **spec["over"])
-    res = dmod.train_distributed(cfg, target=tiny_target(), train_set=tiny_dataset(N))
+    from dflash_trainer.run.distributed import train_distributed
+
+    res = train_distributed(cfg, target=tiny_target(), train_set=tiny_dataset(N))
     rank = int(os.environ["RANK"])
     out = {
         "steps": res.steps,
@@ -197,7 +199,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(two_rank, tmp_path)
     step is the mean over micro-batches, whether they sit on one rank or several.)"""
     base, (r0, r1) = two_rank
     ref_cfg = tiny_config(tmp_path, **dict(BASE, **{"optim.grad_accum": 4}))
-    from dflash_trainer.trainer import train
+    from dflash_trainer.run import train
 
     ref = train(ref_cfg, target=tiny_target(), train_set=tiny_dataset(N))
     assert r0["steps"] == r1["steps"] == ref.steps == STEPS
@@ -292,7 +294,7 @@ def test_resume_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, two_rank):
     # on 1 rank (this process, no torch.distributed)
     one = tmp_path / "one"
     shutil.copytree(part, one)
-    from dflash_trainer.trainer import train
+    from dflash_trainer.run import train
 
     cfg = tiny_config(one, **dict(over, **{"checkpoint.resume": True}))
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset(N))
@@ -403,7 +405,8 @@ def test_cli_nproc_launches_torchrun_end_to_end(tmp_path):
 
 
 def test_cell_layout_offsets_cuda_devices_and_splits_cpu_threads():
-    from dflash_trainer.pipeline.distributed import cell_layout, strip_nproc, torchrun_argv
+    from dflash_trainer.commands.train import strip_nproc, torchrun_argv
+    from dflash_trainer.pipeline.distributed import cell_layout
 
     assert cell_layout("cuda:0", ["cuda:1", "cuda:2", "cuda:3"], 0, 1, 2) == (
         "cuda:4",

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_trainer.pipeline.workers import Worker
-from dflash_trainer.trainer import train
+from dflash_trainer.run import train
 from tiny import tiny_config, tiny_dataset, tiny_target
 
 SYNC_OPS = {

@@ -11,6 +11,10 @@ Layout under `{run_dir}/checkpoints/`:
 
 A checkpoint is written to `step-N.tmp-<pid>/`, fsynced, then renamed: a crash (SIGKILL, full disk)
 mid-write leaves the previous checkpoint and `latest` intact.
+
+This module is the only reader of checkpoint files. It also plans a resume (`plan_resume`: this
+rank's position, before anything is built; another world size re-plans the rest of the epoch)
+and keeps the LR schedule continuous across it (`lr_segments`).
 """
 
 from __future__ import annotations
@@ -299,14 +303,21 @@ def latest_checkpoint(run_dir) -> Path | None:
 def load_checkpoint(
     path: Path, *, drafter, optimizer, scheduler, generator: torch.Generator, config: dict
 ) -> TrainState:
-    try:
-        meta = json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(
-            f"checkpoint {path} is unreadable ({e}); delete it or point "
-            "checkpoints/latest at an older one."
-        ) from e
-    saved = meta.get("config", {})
+    """Load checkpoint `path` into the built objects; the TrainState it saved (rank 0's)."""
+    meta = read_meta(path)
+    _load_into(
+        path,
+        meta,
+        drafter=drafter,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        generator=generator,
+        config=config,
+    )
+    return TrainState.from_json(meta["train_state"])
+
+
+def _check_config(path: Path, saved: dict, config: dict) -> None:
     for section in ("drafter", "target"):
         a, b = saved.get(section, {}), config.get(section, {})
         diff = [
@@ -321,6 +332,14 @@ def load_checkpoint(
                 f"{[a.get(k) for k in sorted(diff)]} vs now {[b.get(k) for k in sorted(diff)]}). "
                 "Use the same settings, or a new run_dir."
             )
+
+
+def _load_into(
+    path: Path, meta: dict, *, drafter, optimizer, scheduler, generator, config, then=None
+) -> None:
+    """Weights, optimizer, scheduler, generator and torch RNG from `path` (optimizer.pt is read
+    once; `then(generator, blob)` sees it)."""
+    _check_config(path, meta.get("config", {}), config)
     try:
         weights = load_file(str(path / "drafter.safetensors"))
     except Exception as e:  # safetensors raises its own error types for truncated/tampered files
@@ -339,4 +358,150 @@ def load_checkpoint(
     scheduler.load_state_dict(blob["scheduler"])
     generator.set_state(blob["generator"])
     torch.set_rng_state(blob["torch_rng"])
-    return TrainState.from_json(meta["train_state"])
+    if then is not None:
+        then(generator, blob)
+
+
+# ------------------------------------------------------------------------------- resume
+def contiguous_prefix(consumed) -> int:
+    """Resume point inside an epoch: the batches 0..k-1 are done. With one target worker the
+    drafter consumes in order, so `consumed` is exactly that prefix."""
+    done = set(consumed or [])
+    k = 0
+    while k in done:
+        k += 1
+    if len(done) != k:
+        raise UserError(
+            f"checkpoint position is not a prefix of the epoch (batches {sorted(done)[:8]}"
+            "...); resume with the same pipeline.target_devices it was written with."
+        )
+    return k
+
+
+@dataclass
+class ResumePlan:
+    """This rank's position in checkpoint `path`, read before anything is built.
+
+    Same world size: exact (this rank's own position and anchor RNG state). Other world size:
+    the rest of the checkpoint's epoch is re-planned over the samples no rank has trained yet
+    (`epoch_skip` = every sample id consumed in that epoch by any rank, plus what that epoch had
+    already skipped), later epochs as usual; anchor RNGs are reseeded per rank and step, and
+    the token count restarts on rank 0 with the sum over the old ranks.
+    """
+
+    path: Path
+    meta: dict  # state.json, read once
+    state: TrainState
+    epoch_skip: list[int] | None
+    rng: str  # "saved": the checkpoint's generator; "rank": rank_generators[rank]; "reseed"
+    rank: int = 0
+    seed: int = 0
+
+    def apply_rng(self, generator: torch.Generator, blob: dict) -> None:
+        """After `load_checkpoint` has restored rank 0's generator from `blob`."""
+        if self.rng == "rank":
+            gens = blob.get("rank_generators")
+            if gens:
+                generator.set_state(gens[self.rank])
+        elif self.rng == "reseed":
+            base_step = TrainState.from_json(self.meta["train_state"]).step
+            generator.manual_seed(self.seed * 1000003 + self.rank + 7919 * (base_step + 1))
+
+
+def read_meta(path: Path) -> dict:
+    """state.json of checkpoint `path` (the only reader of it)."""
+    try:
+        return json.loads((Path(path) / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(
+            f"checkpoint {path} is unreadable ({e}); delete it or point "
+            "checkpoints/latest at an older one."
+        ) from e
+
+
+def plan_resume(run_dir, *, rank: int, world_size: int, seed: int) -> ResumePlan | None:
+    """Where this rank resumes in the latest checkpoint of `run_dir` (None: none there)."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    meta = read_meta(path)
+    base = TrainState.from_json(meta["train_state"])
+    saved_world = int(meta.get("world_size", 1))
+    ranks = meta.get("ranks")
+    skip_meta = meta.get("epoch_skip") or {}
+    epoch_skip = list(skip_meta.get("samples", [])) if skip_meta.get("epoch") == base.epoch else []
+    common = dict(path=path, meta=meta, rank=rank, seed=seed)
+    if saved_world == world_size:
+        if not ranks:
+            return ResumePlan(state=base, epoch_skip=epoch_skip or None, rng="saved", **common)
+        state = TrainState.from_json(ranks[rank])
+        return ResumePlan(state=state, epoch_skip=epoch_skip or None, rng="rank", **common)
+    per_rank = ranks or [meta["train_state"]]
+    done = set(epoch_skip)
+    for r in per_rank:
+        done.update(r.get("consumed_samples") or [])
+    state = TrainState(
+        step=base.step,
+        micro_step=base.micro_step,
+        epoch=base.epoch,
+        consumed=[],
+        consumed_samples=[],
+        tokens=sum(r.get("tokens", 0) for r in per_rank) if rank == 0 else 0,
+    )
+    log.info(
+        "resuming a %d-rank checkpoint on %d ranks: the rest of epoch %d is re-planned "
+        "without the %d samples already trained",
+        saved_world,
+        world_size,
+        state.epoch,
+        len(done),
+    )
+    return ResumePlan(state=state, epoch_skip=sorted(done), rng="reseed", **common)
+
+
+def lr_segments(plan: ResumePlan | None, total_steps: int) -> list[list[int]]:
+    """The LR schedule's segments ([total, from_step], ...). A checkpoint of a run with another
+    total (world size, epochs) keeps the LR curve continuous at the resume step instead of
+    jumping to the new schedule's value there."""
+    segments = [[total_steps, 0]]
+    if plan is None:
+        return segments
+    meta = plan.meta
+    saved = meta.get("lr_segments") or (
+        [[meta["total_steps"], 0]] if meta.get("total_steps") else None
+    )
+    if saved:
+        segments = [list(x) for x in saved]
+        if int(segments[-1][0]) != total_steps:
+            segments.append([total_steps, plan.state.step])
+            log.info(
+                "resuming at step %d of a %d-step schedule with %d steps in all now: "
+                "the rest of the LR schedule is spread over the new remaining steps",
+                plan.state.step,
+                int(saved[-1][0]),
+                total_steps,
+            )
+    return segments
+
+
+def restore(plan: ResumePlan, *, drafter, optimizer, scheduler, generator, config) -> TrainState:
+    """Load the checkpoint of `plan` into the built objects; this rank's TrainState."""
+    _load_into(
+        plan.path,
+        plan.meta,
+        drafter=drafter,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        generator=generator,
+        config=config,
+        then=plan.apply_rng,
+    )
+    st = plan.state
+    log.info(
+        "resumed from %s at step %d (epoch %d, %d batches of it done)",
+        plan.path,
+        st.step,
+        st.epoch,
+        len(st.consumed or []),
+    )
+    return st

@@ -20,7 +20,7 @@ from dflash_trainer.errors import UserError
 # name -> (module:function, one-line help). The function takes (cfg, args) and returns an exit code.
 COMMANDS = {
     "train": (
-        "dflash_trainer.trainer:train_command",
+        "dflash_trainer.commands.train:run",
         "train a drafter online (target in the loop)",
     ),
     "demo": (

@@ -57,7 +57,9 @@ def demo_command(cfg: Config, args) -> int:
     from dflash_trainer.data.prepare import prepare_data
     from dflash_trainer.eval.metrics import format_table
     from dflash_trainer.models.target import TargetModel
-    from dflash_trainer.trainer import build_drafter, setup_run_logging, train
+    from dflash_trainer.run import train
+    from dflash_trainer.run.build import build_drafter
+    from dflash_trainer.run.trainer import setup_run_logging
 
     t_all = time.monotonic()
     run_dir = Path(cfg.run_dir)

@@ -185,3 +185,19 @@ def bucket_entropy(bucket_ids_of_batches, num_buckets: int, window: int = 64) ->
     with np.errstate(divide="ignore", invalid="ignore"):
         h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
     return float(h.mean() / np.log(k))
+
+
+def plan_skipping(
+    lengths, batching_cfg, epoch: int, rank: int = 0, world_size: int = 1, skip_samples=None
+) -> EpochPlan:
+    """`plan_epoch_detailed` over the samples not in `skip_samples` (dataset indices).
+
+    Used for the first epoch of a run resumed on another world size: the rest of the epoch is
+    planned over the samples no rank has trained yet, so none is lost and none is doubled."""
+    if not skip_samples:
+        return plan_epoch_detailed(lengths, batching_cfg, epoch, rank, world_size)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    keep = np.setdiff1d(np.arange(len(lengths)), np.asarray(list(skip_samples), dtype=np.int64))
+    sub = plan_epoch_detailed(lengths[keep], batching_cfg, epoch, rank, world_size)
+    sub.batches = [keep[np.asarray(b, dtype=np.int64)].tolist() for b in sub.batches]
+    return sub

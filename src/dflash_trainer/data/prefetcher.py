@@ -35,7 +35,7 @@ from dflash_trainer.data.batching import (
     EpochPlan,
     bucket_edges,
     bucket_entropy,
-    plan_epoch_detailed,
+    plan_skipping,
 )
 from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.pipeline.messages import Batch, End, EpochEnd, StageFailure, WorkItem
@@ -66,22 +66,6 @@ def build_batch(dataset, indices, pad_multiple: int, pad_id: int) -> Batch:
     )
 
 
-def plan_skipping(
-    lengths, batching_cfg, epoch: int, rank: int = 0, world_size: int = 1, skip_samples=None
-) -> EpochPlan:
-    """`plan_epoch_detailed` over the samples not in `skip_samples` (dataset indices).
-
-    Used for the first epoch of a run resumed on another world size: the rest of the epoch is
-    planned over the samples no rank has trained yet, so none is lost and none is doubled."""
-    if not skip_samples:
-        return plan_epoch_detailed(lengths, batching_cfg, epoch, rank, world_size)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    keep = np.setdiff1d(np.arange(len(lengths)), np.asarray(list(skip_samples), dtype=np.int64))
-    sub = plan_epoch_detailed(lengths[keep], batching_cfg, epoch, rank, world_size)
-    sub.batches = [keep[np.asarray(b, dtype=np.int64)].tolist() for b in sub.batches]
-    return sub
-
-
 class BatchPrefetcher(threading.Thread):
     def __init__(
         self,
@@ -98,6 +82,7 @@ class BatchPrefetcher(threading.Thread):
         history: int = 256,
         name: str = "prefetch",
         skip_samples=None,
+        faults=None,
     ):
         super().__init__(name=name, daemon=True)
         self.dataset = dataset
@@ -115,8 +100,8 @@ class BatchPrefetcher(threading.Thread):
         self.skip_samples = list(skip_samples) if skip_samples else None
         self.pad_id = int(getattr(dataset, "pad_id", 0))
         self.counters = WorkerCounters(name=name)
-        # Optional test hook (pipeline.workers.FaultInjector), set by the trainer.
-        self.faults = None
+        # Optional test hook (pipeline.workers.FaultInjector: `pipeline.fault`).
+        self.faults = faults
         # Batch composition (single writer: this thread).
         # Edges depend only on the lengths and the config, so they are fixed for the run.
         self.num_buckets = len(bucket_edges(dataset.lengths, batching_cfg)) + 1

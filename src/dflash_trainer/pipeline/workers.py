@@ -190,26 +190,39 @@ class TargetWorker(Worker):
             c.beat()
 
 
-class Trainer:
-    """Drafter-side bookkeeping shared by the drafter worker and the sequential worker:
-    the step function, the training position (for exact resume), the sample ledger, and the
-    periodic checkpoint / eval hooks (run between steps by the thread that owns the drafter)."""
+class StepLoop:
+    """The drafter side of the step loop, shared by the drafter worker and the sequential
+    worker: runs the step function on each HiddenBatch and keeps the training position (for
+    exact resume), the sample ledger, and the between-steps hooks (run by the thread that owns
+    the drafter).
 
-    def __init__(self, *, step_fn, state, max_steps: int, on_step_end=None):
+    `on_step_end(step)`: after every optimizer step (periodic checkpoint / eval), or None.
+    `stop_vote()`: torchrun only, a collective run after every optimizer step on every rank (all
+    ranks stop after the same step); True = stop now. None in a single process.
+    """
+
+    def __init__(
+        self,
+        *,
+        step_fn,
+        state,
+        max_steps: int,
+        on_step_end=None,
+        stop_vote=None,
+        queries_per_row: int = 0,
+    ):
         self.step_fn = step_fn
         self.state = state  # checkpoint.TrainState
         if self.state.consumed is None:
             self.state.consumed = []
-        self.max_steps = max_steps
-        self.on_step_end = on_step_end  # callable(step) for checkpoint/eval; may be None
-        self.ledger: list[tuple[int, list[int]]] = []  # (epoch, sample ids) since last drain
         if self.state.consumed_samples is None:
             self.state.consumed_samples = []
-        # torchrun: callable() -> bool run after every optimizer step on every rank (a collective:
-        # all ranks stop after the same step); True = stop now. None in a single process.
-        self.stop_vote = None
+        self.max_steps = max_steps
+        self.on_step_end = on_step_end
+        self.stop_vote = stop_vote
         self.stopped_by_vote = False
-        self.queries_per_row = 0  # anchors x block size (drafter FLOP counting)
+        self.ledger: list[tuple[int, list[int]]] = []  # (epoch, sample ids) since last drain
+        self.queries_per_row = queries_per_row  # anchors x block size (drafter FLOP counting)
 
     def consume(self, hb: HiddenBatch, counters: WorkerCounters) -> bool:
         """Train on one HiddenBatch. Returns False when max_steps is reached."""
@@ -245,7 +258,7 @@ class Trainer:
 
 
 class DrafterWorker(Worker):
-    """hs_q -> Trainer. Ends after an End from every target worker (or at max_steps)."""
+    """hs_q -> StepLoop. Ends after an End from every target worker (or at max_steps)."""
 
     def __init__(
         self,
@@ -255,13 +268,18 @@ class DrafterWorker(Worker):
         threads,
         faults,
         *,
-        trainer: Trainer,
+        step_loop: StepLoop,
         hs_q: BoundedQueue,
         num_producers: int,
         done: threading.Event,
     ):
         super().__init__(name, events, stop, threads, faults)
-        self.trainer, self.hs_q, self.num_producers, self.done = trainer, hs_q, num_producers, done
+        self.step_loop, self.hs_q, self.num_producers, self.done = (
+            step_loop,
+            hs_q,
+            num_producers,
+            done,
+        )
 
     def loop(self) -> None:
         c, ends = self.counters, 0
@@ -277,7 +295,7 @@ class DrafterWorker(Worker):
                 continue
             with oom_context("drafter", item.input_ids.shape):
                 self.faults.check("drafter", c.steps, self.stop)
-                more = self.trainer.consume(item, c)
+                more = self.step_loop.consume(item, c)
             if not more:
                 break
         self.done.set()
@@ -296,13 +314,13 @@ class SequentialWorker(Worker):
         faults,
         *,
         target_step,
-        trainer: Trainer,
+        step_loop: StepLoop,
         work_q: BoundedQueue,
         done: threading.Event,
         lock: threading.Lock,
     ):
         super().__init__(name, events, stop, threads, faults)
-        self.target_step, self.trainer, self.work_q = target_step, trainer, work_q
+        self.target_step, self.step_loop, self.work_q = target_step, step_loop, work_q
         self.done, self.lock = done, lock
 
     def loop(self) -> None:
@@ -318,7 +336,7 @@ class SequentialWorker(Worker):
                 hb = self.target_step(item, None)
             with oom_context("drafter", item.batch.input_ids.shape):
                 self.faults.check("drafter", c.steps, self.stop)
-                more = self.trainer.consume(hb, c)
+                more = self.step_loop.consume(hb, c)
             if not more:
                 break
         self.done.set()

@@ -1,0 +1,80 @@
+"""`dflash-trainer train`: train a drafter online (target in the loop), in this process or, with
+`--nproc N`, relaunched under torchrun (one process per cell)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_trainer.config import Config
+from dflash_trainer.run import train
+from dflash_trainer.run.distributed import train_distributed
+from dflash_trainer.run.trainer import setup_run_logging
+
+log = logging.getLogger(__name__)
+
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    """argv without `--nproc N` / `--nproc=N`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m dflash_trainer ARGV`."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={int(nproc)}",
+        "-m",
+        "dflash_trainer",
+        *strip_nproc(argv),
+    ]
+
+
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    cmd = torchrun_argv(nproc, argv)
+    log.info("launching: %s", " ".join(cmd))
+    return subprocess.call(cmd)
+
+
+def run(cfg: Config, args) -> int:
+    nproc = getattr(args, "nproc", 0) or 0
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        # Convenience: relaunch this very command under torchrun, one process per cell.
+        return launch_torchrun(nproc, sys.argv[1:])
+    rank = int(os.environ.get("RANK", "0"))
+    handler = setup_run_logging(
+        Path(cfg.run_dir), "train.log" if rank == 0 else f"train.rank{rank}.log"
+    )
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
+            result = train_distributed(cfg)
+        else:
+            result = train(cfg)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    if rank != 0:
+        return 0
+    print(
+        f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.reason}); "
+        f"export: {result.export_dir}; checkpoint: {result.checkpoint}"
+    )
+    if result.balance:
+        print(result.balance)
+    return 0

@@ -1,0 +1,210 @@
+"""Everything a run needs, built from the config: target, data, drafter, objective, optimizer,
+LR schedule and the resume state. Nothing here starts a thread (run/trainer.py does)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_trainer import checkpoint as ckpt
+from dflash_trainer.checkpoint import ResumePlan, TrainState
+from dflash_trainer.config import Config, to_dict
+from dflash_trainer.data.batching import plan_epoch, plan_skipping
+from dflash_trainer.data.prepare import prepare_data
+from dflash_trainer.errors import UserError
+from dflash_trainer.models.attention import resolve_impl
+from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.target import TargetModel
+from dflash_trainer.train.objective import DFlashObjective
+from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunParts:
+    """The built run. `state` is where training continues (a fresh TrainState or the resumed
+    one); `resume` says how it was found (None: a fresh start)."""
+
+    cfg: Config
+    run_dir: Path
+    rank: int
+    world_size: int
+    target: object  # models.target.TargetModel (or a test double with the same surface)
+    train_set: object  # data.chat.TokenizedDataset
+    heldout: object
+    drafter: DFlashDrafter
+    model: torch.nn.Module  # the drafter, or its DDP wrapper under torchrun
+    objective: DFlashObjective
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    guard: GuardedStep
+    generator: torch.Generator  # anchor sampling, per rank
+    drafter_device: torch.device
+    feature_dtype: torch.dtype
+    autocast: bool
+    embed_weight: torch.Tensor
+    lm_head: torch.nn.Module
+    config_dict: dict
+    resume: ResumePlan | None
+    state: TrainState
+    total_steps: int
+    lr_segments: list
+
+
+def thread_split(cfg: Config) -> tuple[int, int]:
+    """(target threads per worker, drafter threads) for CPU stages."""
+    total = cfg.pipeline.cpu_threads or os.cpu_count() or 1
+    if cfg.pipeline.schedule == "sequential":
+        return total, total
+    t = max(1, round(total * cfg.pipeline.target_thread_share))
+    return t, max(1, total - t)
+
+
+def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[int, list[int]]:
+    per_epoch = [
+        len(plan_epoch(lengths, cfg.batching, e, rank, world)) for e in range(cfg.optim.epochs)
+    ]
+    total = sum(per_epoch) // cfg.optim.grad_accum
+    if cfg.optim.max_steps:
+        total = min(total, cfg.optim.max_steps)
+    return total, per_epoch
+
+
+def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
+    try:  # fail before any work, not at the first drafter step
+        resolve_impl(cfg.drafter.attention, device)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    dcfg = DFlashConfig.from_configs(cfg.drafter, target)
+    torch.manual_seed(cfg.pipeline.seed)
+    return DFlashDrafter(dcfg).to(device)
+
+
+def replicate_target(cfg: Config, first) -> list:
+    """One target per `pipeline.target_devices` entry; `first` serves the first device."""
+    return [first] + [TargetModel.load(cfg.target, dev) for dev in cfg.pipeline.target_devices[1:]]
+
+
+def load_inputs(cfg: Config, target=None, train_set=None, heldout=None) -> tuple:
+    """(target, train_set, heldout): the given ones, else loaded/prepared from the config."""
+    if target is None:
+        target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
+    if train_set is None:
+        train_set, heldout = prepare_data(cfg, target.tokenizer)
+    if len(train_set) == 0:
+        raise UserError(
+            "no training examples left after filtering; check data.sources and data.max_length"
+        )
+    return target, train_set, heldout
+
+
+def plan_total_steps(cfg: Config, lengths, plan: ResumePlan | None, rank: int, world: int) -> int:
+    """Optimizer steps of the whole run. A resume on another world size re-plans the rest of
+    its epoch without the samples already trained, so the total follows from that plan."""
+    total, per_epoch = count_steps(lengths, cfg, rank, world)
+    if plan is None or plan.epoch_skip is None:
+        return total
+    st = plan.state
+    first = len(
+        plan_skipping(lengths, cfg.batching, st.epoch, rank, world, plan.epoch_skip).batches
+    )
+    left = first - len(st.consumed or []) + sum(per_epoch[st.epoch + 1 :])
+    total = st.step + max(0, left) // cfg.optim.grad_accum
+    if cfg.optim.max_steps:
+        total = min(total, cfg.optim.max_steps)
+    return total
+
+
+def drafter_heads(target, drafter: DFlashDrafter, device: torch.device, autocast: bool) -> tuple:
+    """(embed_weight, lm_head) for the drafter: the target's frozen ones. Without autocast they
+    must also be in the drafter's dtype (e.g. a bf16 target on CPU with an fp32 drafter): then,
+    or on another device, the drafter gets its own frozen copy."""
+    head_dtype = target.embed_weight.dtype if autocast else next(drafter.parameters()).dtype
+    embed_weight = target.embed_weight.to(device, dtype=head_dtype)
+    lm_head = target.lm_head
+    if device != torch.device(target.device) or next(lm_head.parameters()).dtype != head_dtype:
+        lm_head = copy.deepcopy(target.lm_head).to(device, dtype=head_dtype)
+        lm_head.requires_grad_(False)
+    return embed_weight, lm_head
+
+
+def build_run(
+    cfg: Config,
+    *,
+    target=None,
+    train_set=None,
+    heldout=None,
+    rank: int = 0,
+    world_size: int = 1,
+    ddp_wrap=None,
+) -> RunParts:
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.pipeline.seed)
+    p = cfg.pipeline
+    device = torch.device(p.drafter_device)
+    target, train_set, heldout = load_inputs(cfg, target, train_set, heldout)
+
+    drafter = build_drafter(cfg, target, device)
+    model = ddp_wrap(drafter) if ddp_wrap is not None else drafter
+    autocast = p.precision == "bf16" or (p.precision == "auto" and device.type == "cuda")
+    feature_dtype = torch.bfloat16 if device.type == "cuda" else next(drafter.parameters()).dtype
+    d = cfg.drafter
+    objective = DFlashObjective(
+        d.block_size, d.num_anchors, d.gamma, drafter.config.mask_token_id, d.loss_chunk_blocks
+    )
+    optimizer = build_optimizer(drafter.parameters(), cfg.optim)
+    # This rank's position in the checkpoint, known before the LR schedule is built.
+    plan = None
+    if cfg.checkpoint.resume:
+        plan = ckpt.plan_resume(run_dir, rank=rank, world_size=world_size, seed=p.seed)
+    total_steps = plan_total_steps(cfg, train_set.lengths, plan, rank, world_size)
+    lr_segments = ckpt.lr_segments(plan, total_steps)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments)
+    guard = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(p.seed * 1000003 + rank)
+    config_dict = to_dict(cfg)
+    state = TrainState(consumed=[])
+    if plan is not None:
+        state = ckpt.restore(
+            plan,
+            drafter=drafter,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            generator=generator,
+            config=config_dict,
+        )
+    embed_weight, lm_head = drafter_heads(target, drafter, device, autocast)
+    return RunParts(
+        cfg=cfg,
+        run_dir=run_dir,
+        rank=rank,
+        world_size=world_size,
+        target=target,
+        train_set=train_set,
+        heldout=heldout,
+        drafter=drafter,
+        model=model,
+        objective=objective,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        guard=guard,
+        generator=generator,
+        drafter_device=device,
+        feature_dtype=feature_dtype,
+        autocast=autocast,
+        embed_weight=embed_weight,
+        lm_head=lm_head,
+        config_dict=config_dict,
+        resume=plan,
+        state=state,
+        total_steps=total_steps,
+        lr_segments=lr_segments,
+    )

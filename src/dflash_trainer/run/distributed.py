@@ -1,0 +1,72 @@
+"""One rank of a torchrun job: data prepared rank 0 first, then this rank's cell trained.
+
+The process group and the collectives are pipeline/distributed.py; this module only runs a
+training cell over them."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from dflash_trainer.data.prepare import prepare_data
+from dflash_trainer.models.target import TargetModel
+from dflash_trainer.pipeline.distributed import (
+    DistContext,
+    PeerFailure,
+    init_from_env,
+    localize_config,
+)
+from dflash_trainer.pipeline.runtime import StageError
+from dflash_trainer.run.trainer import train
+
+log = logging.getLogger(__name__)
+
+
+def _prepare_data_rank0_first(cfg, ctx: DistContext, target) -> dict:
+    """Rank 0 reads, regenerates (embedded source) and tokenizes into the shared caches first;
+    the other ranks then hit the caches. They write their copy of heldout.jsonl under
+    run_dir/ranks/R so that no two processes write one file. Waits through the store (polling
+    for a peer failure), not a collective: data preparation may take longer than any
+    collective timeout."""
+
+    if target is None:
+        target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
+    if ctx.is_main:
+        train_set, heldout = prepare_data(cfg, target.tokenizer, target)
+        ctx.store.set("data_ready", "1")
+    else:
+        while not ctx.store.check(["data_ready"]):
+            peer = ctx.peer_failure()
+            if peer is not None:
+                raise PeerFailure(peer)
+            time.sleep(0.5)
+        local = copy.deepcopy(cfg)
+        local.run_dir = str(Path(cfg.run_dir) / "ranks" / str(ctx.rank))
+        train_set, heldout = prepare_data(local, target.tokenizer, target)
+    return {"target": target, "train_set": train_set, "heldout": heldout}
+
+
+def train_distributed(cfg, **train_kwargs):
+    """Run this rank's cell of a torchrun job: init, localize devices, train, tear down.
+    A failure is printed naming the rank that failed first, then the process exits at once."""
+
+    ctx = init_from_env(cfg.pipeline)
+    if ctx is None:
+        return train(cfg, **train_kwargs)
+    try:
+        cfg = localize_config(cfg, ctx.local_rank, ctx.local_world_size)
+        if train_kwargs.get("train_set") is None:
+            train_kwargs.update(_prepare_data_rank0_first(cfg, ctx, train_kwargs.get("target")))
+        result = train(cfg, dist=ctx, **train_kwargs)
+    except BaseException as e:  # any failure ends this rank, loudly and fast
+        err = ctx.explain_failure(e)
+        log.error("rank %d: %s", ctx.rank, err, exc_info=not isinstance(err, StageError))
+        print(f"dflash-trainer: rank {ctx.rank}: error: {err}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(1)
+    ctx.close()
+    return result

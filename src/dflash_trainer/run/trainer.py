@@ -1,0 +1,584 @@
+"""`Trainer`: wires one run's pipeline from its built parts (run/build.py) and runs it.
+
+The data flow, the stage table and the shutdown protocol are in pipeline/runtime.py. One batch:
+BatchPrefetcher (data/prefetcher.py) -> work_q -> TargetWorker (pipeline/workers.py) running
+TargetStep (train/step.py) -> hs_q -> DrafterWorker -> StepLoop -> DrafterStep -> optimizer.
+Between optimizer steps the drafter thread calls `Trainer.on_step_end` (checkpoint, periodic eval)
+and, under torchrun, `Trainer.stop_vote`.
+
+Reference cycles: the step loop, the checkpoint writer and the supervisor hold bound methods of
+the Trainer, which holds them. Such a cycle keeps the drafter, optimizer and head copies alive
+until the next full GC (a soak calling train() repeatedly saw RSS climb by ~230 MB per call), so
+`run()` cuts every one of them on the way out (`_release`); test_pipeline checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dflash_trainer.checkpoint import AsyncCheckpointWriter, contiguous_prefix, snapshot_checkpoint
+from dflash_trainer.config import Config
+from dflash_trainer.data.prefetcher import BatchPrefetcher
+from dflash_trainer.models.export import export_drafter, export_weights
+from dflash_trainer.observe.balance import assess as assess_balance
+from dflash_trainer.observe.flops import FlopsModel
+from dflash_trainer.observe.monitor import Monitor
+from dflash_trainer.observe.scalars import ScalarRing
+from dflash_trainer.observe.sinks import build_sinks
+from dflash_trainer.pipeline import distributed as dist_mod
+from dflash_trainer.pipeline.queues import BoundedQueue
+from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
+from dflash_trainer.pipeline.workers import (
+    DrafterWorker,
+    FaultInjector,
+    SequentialWorker,
+    StepLoop,
+    TargetWorker,
+)
+from dflash_trainer.run.build import RunParts, build_run, replicate_target, thread_split
+from dflash_trainer.run.evaluation import PeriodicEval
+from dflash_trainer.train.step import DrafterStep, TargetStep
+
+log = logging.getLogger(__name__)
+
+
+class RecordingRing:
+    """The drafter's ScalarRing as the monitor sees it: drains also feed the run's history and
+    the latest values the supervisor checks (e.g. consecutive skipped steps)."""
+
+    def __init__(self, ring: ScalarRing):
+        self.ring = ring
+        self.history: list[tuple[int, dict]] = []
+        self.last: dict[str, float] = {}
+
+    @property
+    def dropped(self) -> int:
+        return self.ring.dropped
+
+    def drain(self, limit=None):
+        out = self.ring.drain(limit)
+        self.history.extend(out)
+        for _, values in out:
+            self.last.update(values)
+        return out
+
+
+class NullMonitor:
+    """Observability switched off (benchmarks): no monitor work, no metrics ring, no sinks."""
+
+    def tick(self):
+        pass
+
+    def latest(self):
+        return {}
+
+    def stalled(self, timeout_s):
+        return []
+
+    def log_event(self, record, step=None):
+        pass
+
+    def close(self):
+        pass
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    reason: str
+    wall_s: float
+    tokens: int
+    export_dir: Path | None
+    checkpoint: Path | None
+    metrics: dict = field(default_factory=dict)  # last monitor snapshot
+    history: list = field(default_factory=list)  # (step, drafter metrics) from the ring
+    balance: str = ""  # which stage bounded the run, and advice
+
+
+def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler:
+    """Full tracebacks go to {run_dir}/train.log; the console gets one-line messages."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    h = logging.FileHandler(run_dir / name, encoding="utf-8")
+    h.setLevel(logging.DEBUG)
+    h.setFormatter(
+        logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.getLogger().addHandler(h)
+    return h
+
+
+def check_taps(cfg: Config, step: TargetStep, name: str) -> None:
+    if not cfg.target.check_taps or not hasattr(step.target, "check_taps"):
+        return
+    t0 = time.perf_counter()
+    err = step.check()
+    log.info(
+        "%s: tapped layers %s match output_hidden_states (max relative error %.1e; "
+        "checked in %.2f s)",
+        name,
+        step.target.layer_ids,
+        err,
+        time.perf_counter() - t0,
+    )
+
+
+def _postfix(snap: dict) -> str:
+    parts = []
+    for key, label, fmt in (
+        ("drafter/loss", "loss", "{:.3f}"),
+        ("drafter/accept_len", "acc_len", "{:.2f}"),
+        ("tput/drafter_tok_s", "tok/s", "{:.0f}"),
+    ):
+        if key in snap:
+            parts.append(f"{label}={fmt.format(snap[key])}")
+    return " ".join(parts)
+
+
+class Trainer:
+    """One run: the drafter step, the step loop, the stage threads, the monitor and the
+    supervisor, built from `parts`; `run()` trains, checkpoints, evaluates and exports.
+
+    `dist`: a pipeline.distributed.DistContext when this process is one rank of a torchrun job.
+    `monitor`: a monitor to use instead of building one (it is not closed); `observe=False`
+    switches observability off (benchmarks)."""
+
+    def __init__(self, parts: RunParts, *, dist=None, monitor=None, observe: bool = True):
+        cfg = parts.cfg
+        self.parts, self.cfg, self.dist, self.observe = parts, cfg, dist, observe
+        self.rank, self.run_dir = parts.rank, parts.run_dir
+        self.start_steps = parts.state.step
+        self.recorder, self.drafter_step = self._build_drafter_step()
+        self.writer = AsyncCheckpointWriter(
+            parts.run_dir,
+            keep_last=cfg.checkpoint.keep_last,
+            export_fn=self._export_weights,
+            on_done=self._checkpoint_written,
+            timeout_s=cfg.checkpoint.write_timeout_s,
+        )
+        self.target_lock = threading.Lock()  # the target worker and the periodic eval share it
+        self.evaluator = PeriodicEval(
+            cfg, parts.target, parts.drafter, parts.heldout, parts.run_dir, self.target_lock
+        )
+        self.loop = StepLoop(
+            step_fn=self.drafter_step,
+            state=parts.state,
+            max_steps=parts.total_steps,
+            on_step_end=self.on_step_end,
+            stop_vote=self.stop_vote if dist is not None else None,
+            queries_per_row=cfg.drafter.num_anchors * cfg.drafter.block_size,
+        )
+        self.events: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.done = threading.Event()
+        self._build_stages()
+        self.own_monitor = monitor is None
+        self.mon = self._build_monitor(monitor)
+        self.bar = None
+        if observe and self.rank == 0 and cfg.metrics.console:
+            self.bar = tqdm(
+                total=parts.total_steps,
+                initial=self.start_steps,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+            )
+        self.signals = SignalGuard()
+        p = cfg.pipeline
+        self.sup = Supervisor(
+            threads=self.threads,
+            events=self.events,
+            stop=self.stop,
+            done=self.done,
+            monitor=self.mon,
+            tick_s=cfg.metrics.tick_s,
+            deadline_s=p.shutdown_deadline_s,
+            stall_timeout_s=p.stall_timeout_s,
+            max_consecutive_skips=cfg.optim.max_consecutive_skips,
+            consecutive_skips=self._consecutive_skips,
+            on_tick=self.on_tick,
+            # torchrun: a signal only feeds the stop vote (all ranks stop together)
+            signals=self.signals if dist is None else None,
+        )
+        self.t0 = time.monotonic()
+
+    # ------------------------------------------------------------------ building
+    def _build_drafter_step(self) -> tuple[RecordingRing, DrafterStep]:
+        p = self.parts
+        ring = ScalarRing(
+            DrafterStep.metric_names(p.objective), capacity=256, device=p.drafter_device
+        )
+        step = DrafterStep(
+            drafter=p.model,
+            objective=p.objective,
+            embed_weight=p.embed_weight,
+            lm_head=p.lm_head,
+            optimizer=p.optimizer,
+            scheduler=p.scheduler,
+            guard=p.guard,
+            generator=p.generator,
+            device=p.drafter_device,
+            grad_accum=self.cfg.optim.grad_accum,
+            autocast_bf16=p.autocast,
+            ring=ring if self.observe else None,
+        )
+        return RecordingRing(ring), step
+
+    def _build_stages(self) -> None:
+        """The prefetcher, then target + drafter workers (pipelined) or one sequential worker."""
+        cfg, p, parts = self.cfg, self.cfg.pipeline, self.parts
+        faults = FaultInjector(p.fault, self.rank)
+        work_q = BoundedQueue("work", p.work_queue_size, p.timeout_s)
+        t_threads, d_threads = thread_split(cfg)
+        state = parts.state
+        self.prefetcher = BatchPrefetcher(
+            parts.train_set,
+            cfg.batching,
+            work_q,
+            self.stop,
+            self.events,
+            epochs=cfg.optim.epochs,
+            rank=self.rank,
+            world_size=parts.world_size,
+            pin_memory=any(d.startswith("cuda") for d in p.target_devices),
+            start=(state.epoch, contiguous_prefix(state.consumed)),
+            skip_samples=parts.resume.epoch_skip if parts.resume is not None else None,
+            faults=faults,
+        )
+        target_step = TargetStep(parts.target, parts.drafter_device, parts.feature_dtype)
+        self.threads: list[threading.Thread] = [self.prefetcher]
+        self.queues = [work_q]
+        common = dict(events=self.events, stop=self.stop, faults=faults)
+        if p.schedule != "pipelined":
+            check_taps(cfg, target_step, "target")
+            self.threads.append(
+                SequentialWorker(
+                    "sequential0",
+                    threads=t_threads,
+                    target_step=target_step,
+                    step_loop=self.loop,
+                    work_q=work_q,
+                    done=self.done,
+                    lock=self.target_lock,
+                    **common,
+                )
+            )
+            return
+        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.timeout_s)
+        self.queues.append(hs_q)
+        first = parts.target
+        targets = [first] if len(p.target_devices) == 1 else replicate_target(cfg, first)
+        for i, tgt in enumerate(targets):
+            step_fn = (
+                target_step
+                if tgt is first
+                else TargetStep(tgt, parts.drafter_device, parts.feature_dtype)
+            )
+            check_taps(cfg, step_fn, f"target{i}")
+            self.threads.append(
+                TargetWorker(
+                    f"target{i}",
+                    threads=t_threads,
+                    step_fn=step_fn,
+                    work_q=work_q,
+                    hs_q=hs_q,
+                    lock=self.target_lock,
+                    **common,
+                )
+            )
+        self.threads.append(
+            DrafterWorker(
+                "drafter0",
+                threads=d_threads,
+                step_loop=self.loop,
+                hs_q=hs_q,
+                num_producers=len(targets),
+                done=self.done,
+                **common,
+            )
+        )
+
+    def _build_monitor(self, monitor):
+        if not self.observe:
+            return NullMonitor()
+        if monitor is not None:
+            return monitor
+        cfg, parts, p = self.cfg, self.parts, self.cfg.pipeline
+        sinks = None
+        if self.dist is not None and self.rank == 0:  # merged per-rank metrics; rank 0 writes
+            inner = build_sinks(cfg.metrics, parts.run_dir, parts.config_dict)
+            sinks = dist_mod.MergingSink(inner, self.dist)
+        target = parts.target
+        devices = {torch.device(d) for d in p.target_devices} | {parts.drafter_device}
+        return Monitor(
+            cfg.metrics,
+            parts.run_dir,
+            sinks=sinks,
+            config_dict=parts.config_dict,
+            workers=[t.counters for t in self.threads],
+            queues=self.queues,
+            composition=self.prefetcher.composition,
+            rings={"drafter": self.recorder},
+            devices=sorted(devices, key=str),
+            flops=FlopsModel.from_configs(
+                target.model.config,
+                max(target.layer_ids) + 1,
+                parts.drafter.config,
+                seq_len=float(parts.train_set.lengths.mean()),
+            ),
+            rank=self.rank,
+        )
+
+    # ------------------------------------------------------------------ callbacks
+    def _export_weights(self, out_dir, weights) -> None:
+        export_weights(self.parts.drafter.config, weights, out_dir)
+
+    def _checkpoint_written(self, path: Path, snap) -> None:
+        """After the checkpoint is on disk (writer thread when async): the ledger entries it
+        covers, then the event. The ledger never runs ahead of a complete checkpoint."""
+        if snap.ledger:
+            with open(self.run_dir / "ledger.jsonl", "a", encoding="utf-8") as f:
+                for epoch, ids in snap.ledger:
+                    f.write(json.dumps({"epoch": epoch, "samples": ids}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        self.mon.log_event({"event/checkpoint_step": snap.step}, snap.step)
+
+    def _consecutive_skips(self) -> float:
+        return self.recorder.last.get("consecutive_skips", 0.0)
+
+    def on_step_end(self, step: int) -> None:
+        """Drafter thread, after optimizer step `step`: periodic checkpoint and evaluation."""
+        cfg = self.cfg
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+            self.checkpoint_now(background=True)
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and self.rank == 0:
+            rec = self.evaluator.run(step)
+            if rec:
+                self.mon.log_event(rec, step)
+
+    def stop_vote(self) -> bool:
+        """torchrun: all ranks stop after the same optimizer step (a MAX vote of "signal")."""
+        return self.dist.agree_stop(self.signals.requested.is_set())
+
+    def _publish(self, final: bool = False) -> None:
+        snap = dist_mod.rank_snapshot(
+            self.loop.state,
+            self.mon.latest(),
+            self.threads[-1].counters,
+            time.monotonic() - self.t0,
+            final=final,
+        )
+        self.dist.publish(snap)
+
+    def on_tick(self) -> None:
+        """Main thread, every supervisor tick."""
+        if self.dist is not None:
+            self._publish()
+            self.dist.check_peers(self.events)  # a peer's failure stops this rank, naming it
+        if self.bar is not None:
+            self.bar.n = self.loop.state.step
+            self.bar.set_postfix_str(_postfix(self.mon.latest()), refresh=False)
+            self.bar.refresh()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather_ranks(self) -> tuple[dict, dict | None, list | None]:
+        """torchrun: every rank calls this after the same step (DDP + the stop vote keep them
+        in lockstep): gather positions, anchor RNG states and ledgers to rank 0."""
+        loop = self.loop
+        parts = self.dist.gather_to_main(
+            {
+                "state": loop.state.to_json(),
+                "generator": self.parts.generator.get_state(),
+                "ledger": loop.ledger,
+            }
+        )
+        loop.ledger = []
+        if self.rank != 0:
+            return {}, None, None
+        gathered = [e for part in parts for e in part["ledger"]]
+        meta = {"world_size": self.parts.world_size, "ranks": [q["state"] for q in parts]}
+        return meta, {"rank_generators": [q["generator"] for q in parts]}, gathered
+
+    def checkpoint_now(self, background: bool = False) -> Path | None:
+        """Snapshot the state at this step boundary and write it: in the background when asked
+        and enabled (periodic checkpoints), else before returning (the last one, signals)."""
+        parts, loop = self.parts, self.loop
+        extra_meta, extra_blob, gathered = {}, None, None
+        if self.dist is not None:
+            extra_meta, extra_blob, gathered = self._gather_ranks()
+        if self.rank != 0:
+            return None
+        extra_meta["total_steps"] = parts.total_steps  # the LR schedule (checkpoint.lr_segments)
+        extra_meta["lr_segments"] = parts.lr_segments
+        plan = parts.resume
+        if (
+            plan is not None
+            and plan.epoch_skip is not None
+            and loop.state.epoch == plan.state.epoch
+        ):
+            extra_meta["epoch_skip"] = {"epoch": plan.state.epoch, "samples": plan.epoch_skip}
+        ledger, loop.ledger = loop.ledger, []
+        if gathered is not None:  # torchrun: every rank's entries, gathered to rank 0
+            ledger = gathered
+        self.writer.wait()  # the previous write lands first: one snapshot in host memory
+        snap = snapshot_checkpoint(
+            drafter=parts.drafter,
+            optimizer=parts.optimizer,
+            scheduler=parts.scheduler,
+            generator=parts.generator,
+            state=loop.state,
+            config=parts.config_dict,
+            extra_meta=extra_meta,
+            extra_blob=extra_blob,
+            ledger=ledger,
+        )
+        self.writer.submit(snap)
+        if background and self.cfg.checkpoint.async_write:
+            return None
+        return self.writer.wait()
+
+    # ------------------------------------------------------------------ running
+    def _supervise(self) -> str:
+        """Run the stages to their end; the reason ("finished", "max_steps", "signal")."""
+        with self.signals:
+            if self.start_steps >= self.parts.total_steps:
+                log.info(
+                    "already at step %d of %d: nothing to train",
+                    self.start_steps,
+                    self.parts.total_steps,
+                )
+                return "finished"
+            try:
+                outcome = self.sup.run()
+            except BaseException as e:
+                if self.dist is None:
+                    raise
+                # explain_failure returns `e` or an error whose __cause__ it set itself
+                raise self.dist.explain_failure(e)  # noqa: B904
+            return "signal" if self.loop.stopped_by_vote else outcome.reason
+
+    def _report_balance(self) -> str:
+        bal = assess_balance([t.counters for t in self.threads])
+        if bal is None:
+            return ""
+        balance = bal.advice()
+        log.info("%s", balance)
+        self.mon.log_event(
+            {
+                "pipeline/verdict": bal.verdict,
+                "pipeline/target_busy": round(bal.target_busy, 4),
+                "pipeline/drafter_busy": round(bal.drafter_busy, 4),
+                "pipeline/target_tok_s_per_worker": round(bal.target_tok_s, 1),
+                "pipeline/drafter_tok_s": round(bal.drafter_tok_s, 1),
+                "pipeline/targets_per_drafter": round(bal.targets_per_drafter, 3),
+            },
+            self.loop.state.step,
+        )
+        return balance
+
+    def _export_final(self) -> Path | None:
+        if self.rank != 0:
+            return None
+        export_dir = self.run_dir / "export"
+        tmp = self.run_dir / "export.tmp"
+        export_drafter(self.parts.drafter, tmp)
+        if export_dir.exists():
+            shutil.rmtree(export_dir)
+        os.replace(tmp, export_dir)
+        return export_dir
+
+    def _release(self) -> None:
+        """Cut the callbacks that point back at this object (see the module docstring)."""
+        self.loop.on_step_end = self.loop.stop_vote = None
+        self.writer.on_done = self.writer.export_fn = None
+        self.sup.on_tick = self.sup.consecutive_skips = None
+
+    def run(self) -> TrainResult:
+        merged: dict = {}
+        try:
+            reason = self._supervise()
+            balance = self._report_balance()
+            # The drafter thread has stopped: its state is consistent. Checkpoint + export.
+            if self.dist is not None:  # final snapshot; the checkpoint gather then orders it
+                self._publish(final=True)
+            ck = self.checkpoint_now()
+            if self.dist is not None and self.rank == 0:
+                merged.update(
+                    dist_mod.merge_snapshots(self.dist.snapshots(), self.parts.world_size)
+                )
+            if self.cfg.eval.every_steps and self.rank == 0 and reason != "signal":
+                rec = self.evaluator.run(self.loop.state.step)
+                if rec:
+                    self.mon.log_event(rec, self.loop.state.step)
+            export_dir = self._export_final()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            try:  # a background write still in flight after a failure: let it land
+                self.writer.wait()
+            except BaseException as e:
+                log.error("background checkpoint write failed: %s", e)
+            self.mon.tick()
+            history = list(self.recorder.history)
+            final_metrics = dict(self.mon.latest())
+            final_metrics.update(merged)
+            if self.own_monitor:
+                self.mon.close()
+            self._release()
+        st = self.loop.state
+        return TrainResult(
+            run_dir=self.run_dir,
+            steps=st.step,
+            reason=reason,
+            wall_s=time.monotonic() - self.t0,
+            tokens=st.tokens,
+            export_dir=export_dir,
+            checkpoint=ck,
+            metrics=final_metrics,
+            history=history,
+            balance=balance,
+        )
+
+
+def train(
+    cfg: Config,
+    *,
+    target=None,
+    train_set=None,
+    heldout=None,
+    rank: int = 0,
+    world_size: int = 1,
+    ddp_wrap=None,
+    monitor=None,
+    observe: bool = True,
+    dist=None,
+) -> TrainResult:
+    """Build the run from `cfg` (the given target / datasets are used instead of loading them)
+    and train it. `dist`: a pipeline.distributed.DistContext when this process is one rank of a
+    torchrun job (run.distributed.train_distributed builds it); it sets rank/world_size and the
+    DDP wrapper."""
+    if dist is not None:
+        rank, world_size = dist.rank, dist.world_size
+        ddp_wrap = ddp_wrap if ddp_wrap is not None else dist.ddp_wrap
+    parts = build_run(
+        cfg,
+        target=target,
+        train_set=train_set,
+        heldout=heldout,
+        rank=rank,
+        world_size=world_size,
+        ddp_wrap=ddp_wrap,
+    )
+    return Trainer(parts, dist=dist, monitor=monitor, observe=observe).run()
