@@ -15,6 +15,7 @@ S = 10**9  # ns per second
 def _w(name, busy_s, wait_in_s, wait_out_s, tokens, steps=10):
     return WorkerCounters(
         name=name,
+        role=name.rstrip("0123456789"),
         busy_ns=int(busy_s * S),
         wait_in_ns=int(wait_in_s * S),
         wait_out_ns=int(wait_out_s * S),

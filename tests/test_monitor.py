@@ -65,8 +65,8 @@ class Clock:
 
 
 def build(clock, **kw):
-    target = WorkerCounters("target0", last_progress=clock.t)
-    drafter = WorkerCounters("drafter0", last_progress=clock.t)
+    target = WorkerCounters("target0", "target", last_progress=clock.t)
+    drafter = WorkerCounters("drafter0", "drafter", last_progress=clock.t)
     q = BoundedQueue("features", capacity=4, poll_s=0.01)
     ring = ScalarRing(["loss", "acc_0", "accept_len"], capacity=16)
     sink = RecordingSink()
@@ -243,8 +243,50 @@ def test_log_event_and_close():
     assert sink.closed == 1
 
 
+def test_queue_fractions_with_k_producers_stay_within_one():
+    """k target workers put into one hidden-state queue: their put waits add up to k x the
+    window when all are blocked throughout, so the monitor divides by the queue's producers
+    (and get waits by its consumers): the fractions stay within [0, 1]."""
+    clock = Clock()
+    q = BoundedQueue("hidden", capacity=1, poll_s=0.01, producers=3, consumers=2)
+    sink = RecordingSink()
+    mon = Monitor(
+        cfg(),
+        "unused",
+        queues=[q],
+        sinks=sink,
+        nvml=FakeCollector(),
+        allocator=FakeCollector(),
+        clock=clock,
+    )
+    q.counters.put_wait_ns = 3 * 10**9  # each of 3 producers blocked for the whole 1 s window
+    q.counters.get_wait_ns = 10**9  # each of 2 consumers starved half of it
+    clock.t += 1.0
+    mon.tick()
+    m = sink.logs[-1][1]
+    assert m["queue/hidden/producer_blocked_frac"] == pytest.approx(1.0)
+    assert m["queue/hidden/consumer_starved_frac"] == pytest.approx(0.5)
+
+
+def test_puts_from_several_threads_are_all_counted():
+    """Queue counters have several writers (k target workers): no update is lost."""
+    q = BoundedQueue("hidden", capacity=10**6, poll_s=0.01, producers=4)
+    stop = threading.Event()
+
+    def produce():
+        for _ in range(5000):
+            q.put(None, stop)
+
+    threads = [threading.Thread(target=produce) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert q.counters.puts == 20000 and q.qsize() == 20000
+
+
 def test_monitor_with_real_sinks_writes_jsonl(tmp_path):
-    w = WorkerCounters("target0")
+    w = WorkerCounters("target0", "target")
     mon = Monitor(cfg(), tmp_path, workers=[w])  # builds jsonl only (wandb/tb/console off)
     w.steps, w.tokens = 3, 300
     mon.tick(now=mon._t_start + 1.5)
@@ -258,8 +300,8 @@ def test_monitor_with_real_sinks_writes_jsonl(tmp_path):
 def test_tick_overhead_small():
     """8 workers, 4 queues, a 20-scalar ring: measure the per-tick and per-log cost."""
     clock = Clock()
-    workers = [WorkerCounters(f"target{i}") for i in range(4)] + [
-        WorkerCounters(f"drafter{i}") for i in range(4)
+    workers = [WorkerCounters(f"target{i}", "target") for i in range(4)] + [
+        WorkerCounters(f"drafter{i}", "drafter") for i in range(4)
     ]
     queues = [BoundedQueue(f"q{i}", 8) for i in range(4)]
     ring = ScalarRing([f"m{i}" for i in range(20)], capacity=64)

@@ -193,7 +193,7 @@ def test_push_and_monitor_tick_issue_no_sync():
     mon = Monitor(
         cfg,
         "unused",
-        workers=[WorkerCounters("drafter0")],
+        workers=[WorkerCounters("drafter0", "drafter")],
         queues=[q],
         rings={"drafter0": ring},
         sinks=sink,

@@ -199,7 +199,7 @@ def test_fake_run_offline_wandb_no_secrets(offline_wandb_env):
     }
     cfg = MetricsConfig(log_every_s=1.0, wandb="offline", tensorboard=True, console=True)
     t0 = time.perf_counter()
-    w = WorkerCounters("drafter0")
+    w = WorkerCounters("drafter0", "drafter")
     mon = Monitor(cfg, run_dir, config_dict=config, workers=[w])
     for i in range(1, 4):
         w.steps, w.tokens = 10 * i, 1000 * i

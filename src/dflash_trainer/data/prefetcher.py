@@ -99,7 +99,7 @@ class BatchPrefetcher(threading.Thread):
         # reduced plan (see plan_skipping).
         self.skip_samples = list(skip_samples) if skip_samples else None
         self.pad_id = int(getattr(dataset, "pad_id", 0))
-        self.counters = WorkerCounters(name=name)
+        self.counters = WorkerCounters(name=name, role="prefetch")
         # Optional test hook (pipeline.workers.FaultInjector: `pipeline.fault`).
         self.faults = faults
         # Batch composition (single writer: this thread).

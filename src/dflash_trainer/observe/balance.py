@@ -75,8 +75,8 @@ def busy_seconds(w) -> float:
 def assess(workers, min_busy_s: float = 1.0) -> StageBalance | None:
     """workers: WorkerCounters of one process. None when there is too little to judge (a
     sequential schedule, or under `min_busy_s` of work in either stage)."""
-    targets = [w for w in workers if w.name.startswith("target")]
-    drafters = [w for w in workers if w.name.startswith("drafter")]
+    targets = [w for w in workers if w.role == "target"]
+    drafters = [w for w in workers if w.role == "drafter"]
     if not targets or not drafters:
         return None
     t_busy_s = [busy_seconds(w) for w in targets]

@@ -1,8 +1,13 @@
-"""Single-writer counters kept by workers and queues; read (never written) by the monitor.
+"""Counters kept by workers and queues; read (never written) by the monitor.
 
-Why no locks: each field has exactly one writer thread, a Python int/float assignment is atomic
-under the GIL, and the monitor tolerates a value that is one update stale. Multi-writer counters
-(`x += 1` from two threads) would lose updates, so a counter object belongs to one thread.
+WorkerCounters have a single writer, the worker's thread: no locks, because a Python int/float
+assignment is atomic under the GIL and the monitor tolerates a value that is one update stale.
+QueueCounters are written by every producer (put_* fields) and every consumer (get_* fields) of
+their queue, e.g. k target workers put into one hidden-state queue: `x += 1` from two threads
+would lose updates, so BoundedQueue makes those updates under its own lock.
+
+Every worker's counters carry its role (`ROLES`); the monitor and the balance verdict group
+workers by role, never by thread name.
 """
 
 from __future__ import annotations
@@ -11,12 +16,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+# prefetch: plans and builds batches; target: target forwards; drafter: drafter training;
+# sequential: both in one thread (its counters count the drafter side).
+ROLES = ("prefetch", "target", "drafter", "sequential")
+TRAINING_ROLES = ("drafter", "sequential")  # roles whose counters count drafter training
+
 
 @dataclass
 class WorkerCounters:
     """Progress of one worker thread (`prefetch`, `target0`, `drafter0`, ...)."""
 
     name: str
+    role: str  # one of ROLES
     steps: int = 0  # work items finished
     items: int = 0  # sequences finished
     tokens: int = 0  # real (unpadded) tokens finished
@@ -34,6 +45,10 @@ class WorkerCounters:
     gauges: dict[str, float] = field(default_factory=dict)  # host-side values (lr, epoch)
     gpu_timer: object = None  # observe.profile.StepTimer of the worker's step (CUDA only)
 
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"worker role {self.role!r} is not one of {', '.join(ROLES)}")
+
     def beat(self) -> None:
         self.last_progress = time.monotonic()
 
@@ -43,7 +58,8 @@ class WorkerCounters:
 
 @dataclass
 class QueueCounters:
-    """Health of one bounded queue; producers write the put_* fields, consumers the get_* fields."""
+    """Health of one bounded queue; producers write the put_* fields, consumers the get_* fields
+    (under the queue's lock: several threads may do either)."""
 
     name: str
     capacity: int

@@ -7,8 +7,9 @@ blocking call: it samples queue depths (for occupancy) and drains the scalar rin
 dict to the sinks (the only place sinks are called). Every collector is best-effort: an exception
 is counted in `monitor/collector_errors`, reported once, never raised (observability.md §8.9).
 
-Worker roles come from names: `target*` workers feed `tput/target_*`, `drafter*` workers
-`tput/drafter_*`. Keys follow the catalogue of docs/observability.md §7.
+Worker roles come from the counters (`WorkerCounters.role`): `target` workers feed
+`tput/target_*`, `drafter` and `sequential` workers (drafter training) `tput/drafter_*`. Keys
+follow the catalogue of docs/observability.md §7.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.observe.counters import TRAINING_ROLES
 from dflash_trainer.observe.flops import FlopsModel, peak_tflops
 from dflash_trainer.observe.gpu import AllocatorCollector, NvmlCollector
 from dflash_trainer.observe.sinks import MultiSink, Sink, build_sinks
@@ -223,7 +225,7 @@ class Monitor:
                     m[q + "gpu_busy_frac"] = d_ms / 1e3 / dt
             for k, v in dict(getattr(w, "gauges", None) or {}).items():
                 m[p + k] = float(v)
-                if w.name.startswith("drafter"):
+                if w.role in TRAINING_ROLES:
                     m[f"drafter/{k}"] = float(v)
         return deltas
 
@@ -244,7 +246,7 @@ class Monitor:
             m[p + "items_per_s"] = d["gets"] / dt
             # A wait is added when the blocking call returns, so a producer blocked across the
             # whole window shows up in the next one.
-            producers, consumers = getattr(q, "producers", 1), getattr(q, "consumers", 1)
+            producers, consumers = q.producers, q.consumers
             m[p + "producer_blocked_frac"] = d["put_wait_ns"] / (win_ns * producers)
             m[p + "consumer_starved_frac"] = d["get_wait_ns"] / (win_ns * consumers)
             if d["gets"] > 0:
@@ -267,17 +269,19 @@ class Monitor:
             m["drafter/nonfinite_values"] = float(self._ring_nonfinite)
 
     def _throughput(self, m: dict, deltas: dict, dt: float) -> None:
-        def role(prefix, field):
-            return sum(d[field] for n, d in deltas.items() if n.startswith(prefix))
+        targets = [w for w in self.workers if w.role == "target"]
+        drafters = [w for w in self.workers if w.role in TRAINING_ROLES]
 
-        n_target = sum(1 for w in self.workers if w.name.startswith("target"))
-        n_drafter = sum(1 for w in self.workers if w.name.startswith("drafter"))
+        def total(workers, field):
+            return sum(deltas[w.name][field] for w in workers if w.name in deltas)
+
+        n_target, n_drafter = len(targets), len(drafters)
         if n_target:
-            m["tput/target_tok_s"] = role("target", "tokens") / dt
+            m["tput/target_tok_s"] = total(targets, "tokens") / dt
         if n_drafter:
-            m["tput/drafter_tok_s"] = role("drafter", "tokens") / dt
-            m["tput/drafter_steps_s"] = role("drafter", "steps") / dt
-            m["tput/drafter_query_tok_s"] = role("drafter", "query_tokens") / dt
+            m["tput/drafter_tok_s"] = total(drafters, "tokens") / dt
+            m["tput/drafter_steps_s"] = total(drafters, "steps") / dt
+            m["tput/drafter_query_tok_s"] = total(drafters, "query_tokens") / dt
         if m.get("tput/drafter_tok_s"):
             m["tput/balance"] = m.get("tput/target_tok_s", 0.0) / m["tput/drafter_tok_s"]
         if self.flops is None:
@@ -289,11 +293,7 @@ class Monitor:
             if self.peak > 0:
                 m["tput/mfu_target"] = 100.0 * tfl / (n_target * self.peak)
         # Drafter FLOPs need query-token counts; omitted when the worker does not report them.
-        if n_drafter and sum(
-            w.query_tokens
-            for w in self.workers
-            if w.name.startswith("drafter") and hasattr(w, "query_tokens")
-        ):
+        if n_drafter and sum(w.query_tokens for w in drafters):
             tfl = (
                 m["tput/drafter_query_tok_s"] * self.flops.drafter_flops_per_query(seq)
                 + m["tput/drafter_tok_s"] * self.flops.drafter_flops_per_context_token()
@@ -330,7 +330,7 @@ class Monitor:
 
         # Step = latest drafter optimizer step seen in a ring; else finished drafter steps; else
         # the log count (pipelines without a drafter).
-        drafters = [w for w in self.workers if w.name.startswith("drafter")]
+        drafters = [w for w in self.workers if w.role in TRAINING_ROLES]
         if not self.rings and drafters:
             self._step = max(self._step, sum(w.steps for w in drafters))
         step = self._step if (self.rings or drafters) else self._n_logs

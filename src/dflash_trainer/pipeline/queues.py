@@ -27,11 +27,24 @@ def _heartbeat() -> None:
 
 
 class BoundedQueue:
-    def __init__(self, name: str, capacity: int, poll_s: float = 0.1):
+    """`producers` / `consumers`: how many threads put / get (the monitor divides the summed
+    wait times by them, so its blocked / starved fractions stay within [0, 1])."""
+
+    def __init__(
+        self,
+        name: str,
+        capacity: int,
+        poll_s: float = 0.1,
+        *,
+        producers: int = 1,
+        consumers: int = 1,
+    ):
         self._q: queue.Queue = queue.Queue(maxsize=capacity)
         self.counters = QueueCounters(name=name, capacity=capacity)
+        self._count_lock = threading.Lock()  # several producers / consumers update counters
         self.name = name
         self.poll_s = poll_s
+        self.producers, self.consumers = int(producers), int(consumers)
 
     def qsize(self) -> int:
         return self._q.qsize()
@@ -51,8 +64,9 @@ class BoundedQueue:
                     continue
         finally:
             c = self.counters
-            c.put_wait_ns += time.perf_counter_ns() - t0
-            c.puts += 1
+            with self._count_lock:
+                c.put_wait_ns += time.perf_counter_ns() - t0
+                c.puts += 1
 
     def put_nowait(self, item) -> bool:
         """Best effort (for control messages during shutdown): False if full."""
@@ -77,12 +91,13 @@ class BoundedQueue:
         now = time.perf_counter_ns()
         c = self.counters
         wait = now - t0
-        c.get_wait_ns += wait
-        c.get_waits_ns.append(wait)
-        c.gets += 1
         enq = getattr(item, "enqueued_ns", None)
-        if enq is not None:
-            c.age_ns_sum += now - enq
+        with self._count_lock:
+            c.get_wait_ns += wait
+            c.get_waits_ns.append(wait)
+            c.gets += 1
+            if enq is not None:
+                c.age_ns_sum += now - enq
         return item
 
     def drain(self) -> list:

@@ -97,6 +97,8 @@ class FaultInjector:
 class Worker(threading.Thread):
     """Base: runs `loop()`, turns its exit into an End or a StageFailure on `events`."""
 
+    role = ""  # observe.counters.ROLES; each subclass names its own
+
     def __init__(
         self,
         name: str,
@@ -106,7 +108,7 @@ class Worker(threading.Thread):
         faults: FaultInjector,
     ):
         super().__init__(name=name, daemon=True)  # daemon: a hung stage cannot block exit
-        self.counters = WorkerCounters(name=name)
+        self.counters = WorkerCounters(name=name, role=self.role)
         self.events = events
         self.stop = stop
         self.threads = threads
@@ -145,6 +147,8 @@ class Worker(threading.Thread):
 
 class TargetWorker(Worker):
     """work_q -> TargetStep -> hs_q. Passes EpochEnd on; on End re-queues it for its siblings."""
+
+    role = "target"
 
     def __init__(
         self,
@@ -260,6 +264,8 @@ class StepLoop:
 class DrafterWorker(Worker):
     """hs_q -> StepLoop. Ends after an End from every target worker (or at max_steps)."""
 
+    role = "drafter"
+
     def __init__(
         self,
         name,
@@ -304,6 +310,8 @@ class DrafterWorker(Worker):
 class SequentialWorker(Worker):
     """The baseline schedule: target step then drafter step in one thread, as existing
     trainers do. Same step functions as the pipelined schedule."""
+
+    role = "sequential"
 
     def __init__(
         self,

@@ -239,7 +239,10 @@ class Trainer:
         """The prefetcher, then target + drafter workers (pipelined) or one sequential worker."""
         cfg, p, parts = self.cfg, self.cfg.pipeline, self.parts
         faults = FaultInjector(p.fault, self.rank)
-        work_q = BoundedQueue("work", p.work_queue_size, p.timeout_s)
+        pipelined = p.schedule == "pipelined"
+        n_targets = len(p.target_devices) if pipelined else 1
+        # work_q: the prefetcher -> every target worker (or the sequential worker)
+        work_q = BoundedQueue("work", p.work_queue_size, p.timeout_s, consumers=n_targets)
         t_threads, d_threads = thread_split(cfg)
         state = parts.state
         self.prefetcher = BatchPrefetcher(
@@ -260,7 +263,7 @@ class Trainer:
         self.threads: list[threading.Thread] = [self.prefetcher]
         self.queues = [work_q]
         common = dict(events=self.events, stop=self.stop, faults=faults)
-        if p.schedule != "pipelined":
+        if not pipelined:
             check_taps(cfg, target_step, "target")
             self.threads.append(
                 SequentialWorker(
@@ -275,7 +278,7 @@ class Trainer:
                 )
             )
             return
-        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.timeout_s)
+        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.timeout_s, producers=n_targets)
         self.queues.append(hs_q)
         first = parts.target
         targets = [first] if len(p.target_devices) == 1 else replicate_target(cfg, first)
