@@ -9,8 +9,9 @@ import random
 
 import pytest
 
+from dflash_trainer.commands import report as report_command
 from dflash_trainer.errors import UserError
-from dflash_trainer.observe.report import report_command, write_report
+from dflash_trainer.observe.report import write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = [
@@ -62,7 +63,7 @@ def synthetic_run(run_dir, n=60, seed=0):
 def test_full_report(tmp_path):
     run = tmp_path / "run"
     synthetic_run(run)
-    assert report_command(None, argparse.Namespace(report_run_dir=str(run))) == 0
+    assert report_command.run(None, argparse.Namespace(report_run_dir=str(run))) == 0
     out = run / "report"
     for name in ALL_PLOTS:
         data = (out / name).read_bytes()

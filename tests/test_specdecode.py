@@ -687,7 +687,9 @@ def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
     )
     cfg.eval.datasets = ["heldout", str(prompts)]
     args = SimpleNamespace(drafter_path=None, output=None)
-    assert sd.eval_command(cfg, args) == 0
+    from dflash_trainer.commands import eval as eval_command
+
+    assert eval_command.run(cfg, args) == 0
     out = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert set(out["datasets"]) == {"heldout", str(prompts)}
     d = out["datasets"]["heldout"]
@@ -702,7 +704,7 @@ def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
     other = target_mod.TargetModel.from_hf(model, FakeTokenizer(), [1, 3])
     monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d: other))
     with pytest.raises(UserError, match="target layers"):
-        sd.eval_command(cfg, args)
+        eval_command.run(cfg, args)
 
 
 @pytest.mark.slow

@@ -18,10 +18,20 @@ from pathlib import Path
 
 import torch
 
+from dflash_trainer.errors import UserError
 
-def _bench_dir() -> Path:
-    here = Path(__file__).resolve().parents[2] / "bench"
-    return here if here.is_dir() else Path.cwd() / "bench"
+
+def find_bench_dir(start: Path | None = None) -> Path:
+    """The checkout's bench/ (its scripts are not part of the installed package): in `start`
+    (default: the working directory) or the nearest parent that has one."""
+    start = (start or Path.cwd()).resolve()
+    for d in (start, *start.parents):
+        if (d / "bench" / "bench_pipeline.py").is_file():
+            return d / "bench"
+    raise UserError(
+        f"no bench/ directory with the benchmark scripts at or above {start}; run from the "
+        "repository checkout (e.g. `make bench`)."
+    )
 
 
 def _row(work, a, b, ratio, lo=None, hi=None, note=""):
@@ -166,8 +176,7 @@ def machine() -> str:
     )
 
 
-def run_all(quick: bool = False, only: list[str] | None = None) -> list[dict]:
-    bdir = _bench_dir()
+def run_all(bdir: Path, quick: bool = False, only: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     for script, (adapter, quick_args) in ADAPTERS.items():
         if only and script not in only:
@@ -207,32 +216,3 @@ def to_markdown(rows: list[dict], header: str) -> str:
             f"{r['min']:.3f}-{r['max']:.3f} | {r['note']} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def bench_command(cfg, args) -> int:
-    """Runs the scripts one by one; results.json/.md are rewritten after each, so an interrupted
-    run keeps what finished. `--only S` reruns some scripts and keeps the other rows."""
-    out = _bench_dir() / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    only = list(getattr(args, "only", None) or [])
-    prev = out / "results.json"
-    kept = []
-    if only and prev.is_file():
-        kept = [r for r in json.loads(prev.read_text())["rows"] if r.get("script") not in only]
-    rows: list[dict] = []
-
-    def save(new_rows):
-        rows.extend(new_rows)
-        allr = kept + rows
-        header = f"Benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}"
-        (out / "results.md").write_text(to_markdown(allr, header))
-        (out / "results.json").write_text(
-            json.dumps({"machine": machine(), "rows": allr}, indent=2)
-        )
-
-    for script in ADAPTERS:
-        if only and script not in only:
-            continue
-        save(run_all(quick=getattr(args, "quick", False), only=[script]))
-    print((out / "results.md").read_text())
-    return 0

@@ -1,7 +1,8 @@
 """`dflash-trainer` command line: parse, build the Config, hand it to one command; nothing else.
 
 Every command accepts `--preset NAME`, `--config FILE.toml` and `--section.field=VALUE` overrides.
-Commands are imported lazily so `--help` and `config show` stay fast.
+Each command is one module of dflash_trainer.commands with `run(cfg, args) -> int`, imported
+only when it runs so that `--help` stays fast.
 """
 
 from __future__ import annotations
@@ -14,35 +15,17 @@ import sys
 import traceback
 from pathlib import Path
 
-from dflash_trainer.config import ConfigError, help_text, list_presets, load_config, to_toml
+from dflash_trainer.config import ConfigError, help_text, list_presets, load_config
 from dflash_trainer.errors import UserError
 
-# name -> (module:function, one-line help). The function takes (cfg, args) and returns an exit code.
+# name -> one-line help; the command is dflash_trainer.commands.<name>.run(cfg, args) -> exit code.
 COMMANDS = {
-    "train": (
-        "dflash_trainer.commands.train:run",
-        "train a drafter online (target in the loop)",
-    ),
-    "demo": (
-        "dflash_trainer.demo:demo_command",
-        "end to end on the embedded default: setup, regenerate, train, evaluate, export",
-    ),
-    "generate": (
-        "dflash_trainer.data.generate:generate_command",
-        "regenerate assistant responses with the target (resumable JSONL)",
-    ),
-    "eval": (
-        "dflash_trainer.eval.specdecode:eval_command",
-        "speculative decoding with a drafter: acceptance length and speedup",
-    ),
-    "report": (
-        "dflash_trainer.observe.report:report_command",
-        "plots (PNG + HTML) of a run's metrics.jsonl",
-    ),
-    "bench": (
-        "dflash_trainer.bench_harness:bench_command",
-        "run every benchmark under bench/ and write one table",
-    ),
+    "train": "train a drafter online (target in the loop)",
+    "demo": "end to end on the embedded default: setup, regenerate, train, evaluate, export",
+    "generate": "regenerate assistant responses with the target (resumable JSONL)",
+    "eval": "speculative decoding with a drafter: acceptance length and speedup",
+    "report": "plots (PNG + HTML) of a run's metrics.jsonl",
+    "bench": "run every benchmark under bench/ and write one table",
 }
 
 
@@ -74,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_p.add_argument("action", choices=["show"], help="show: print the resolved config as TOML")
     _add_common(cfg_p)
 
-    for name, (_, help_line) in COMMANDS.items():
+    for name, help_line in COMMANDS.items():
         p = sub.add_parser(
             name,
             help=help_line,
@@ -164,13 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = None
     try:
         cfg = load_config(args.preset, args.config_file, rest)
-        if args.command == "config":
-            sys.stdout.write(to_toml(cfg))
-            return 0
-        target, _ = COMMANDS[args.command]
-        mod_name, fn_name = target.split(":")
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-        return int(fn(cfg, args) or 0)
+        command = importlib.import_module(f"dflash_trainer.commands.{args.command}")
+        return int(command.run(cfg, args) or 0)
     except ConfigError as e:
         print(f"dflash-trainer: config error: {e}", file=sys.stderr)
         return 2

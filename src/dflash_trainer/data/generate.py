@@ -21,7 +21,10 @@ from pathlib import Path
 
 import torch
 
+from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
+from dflash_trainer.models import embedded  # module: tests patch embedded_prompts
+from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -260,23 +263,16 @@ def generate_responses(
 # ------------------------------------------------------------------------------------------ entries
 
 
-def _load_prompts(spec: str, cfg):
+def load_prompts(spec: str, cfg) -> list:
+    """Prompts to answer: 'embedded' (MT-Bench + HumanEval) or a conversation file, read by
+    data/sources.py like any training source."""
     if spec == "embedded":
-        from dflash_trainer.models.embedded import embedded_prompts
-
-        return embedded_prompts()
-    try:
-        from dflash_trainer.data.sources import load_sources
-    except ImportError:
-        raise UserError(
-            "reading prompts from a file needs dflash_trainer.data.sources, which is "
-            "missing from this install."
-        ) from None
+        return embedded.embedded_prompts()
     convs, _ = load_sources([spec], cfg.data.on_bad_record, cfg.data.roots)
     return convs
 
 
-def _print_summary(stats: dict) -> None:
+def print_summary(stats: dict) -> None:
     print(
         f"generate: {stats['written']} new records ({stats['skipped_done']} already done) -> "
         f"{stats['output']}; {stats['new_tokens']} tokens in {stats['seconds']:.1f} s = "
@@ -285,35 +281,8 @@ def _print_summary(stats: dict) -> None:
     )
 
 
-def generate_command(cfg, args) -> int:
-    """`dflash-trainer generate`: regenerate responses for --prompts into --output (resumable)."""
-    from dflash_trainer.models.target import TargetModel
-
-    prompts = _load_prompts(args.prompts, cfg)
-    if args.limit and args.limit > 0:
-        prompts = prompts[: args.limit]
-    out = Path(args.output) if args.output else Path(cfg.run_dir) / "generated.jsonl"
-    if cfg.pipeline.cpu_threads > 0:
-        torch.set_num_threads(cfg.pipeline.cpu_threads)
-    target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
-    stats = generate_responses(
-        target,
-        prompts,
-        out,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        enable_thinking=cfg.target.enable_thinking,
-        seed=cfg.pipeline.seed,
-    )
-    _print_summary(stats)
-    return 0
-
-
 def embedded_responses_path(cfg) -> Path:
     """Cache path of the embedded data set for this target and these generation settings."""
-    from dflash_trainer.models.embedded import cache_root
 
     key = {
         "target": cfg.target.model,
@@ -323,7 +292,7 @@ def embedded_responses_path(cfg) -> Path:
         **EMBEDDED_GEN,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root(cfg.target.cache_dir) / "responses" / f"{digest}.jsonl"
+    return embedded.cache_root(cfg.target.cache_dir) / "responses" / f"{digest}.jsonl"
 
 
 def ensure_embedded_responses(cfg, target=None) -> Path:
@@ -332,15 +301,11 @@ def ensure_embedded_responses(cfg, target=None) -> Path:
     Returns the JSONL path. The target is loaded only when some responses are missing; pass an
     already-loaded `target` to reuse it.
     """
-    from dflash_trainer.models.embedded import embedded_prompts
-
     path = embedded_responses_path(cfg)
-    prompts = embedded_prompts()
+    prompts = embedded.embedded_prompts()
     if {p.id for p in prompts} <= read_done_ids(path):
         return path
     if target is None:
-        from dflash_trainer.models.target import TargetModel
-
         target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     print(
         f"dflash-trainer: regenerating the embedded data set with {cfg.target.model} into "
@@ -359,5 +324,5 @@ def ensure_embedded_responses(cfg, target=None) -> Path:
         enable_thinking=cfg.target.enable_thinking,
         seed=cfg.pipeline.seed,
     )
-    _print_summary(stats)
+    print_summary(stats)
     return path

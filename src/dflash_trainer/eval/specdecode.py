@@ -41,7 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
+from dflash_trainer.eval.metrics import EvalSummary, summarize
+from dflash_trainer.models import embedded  # module: tests patch embedded_prompts
+from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -642,10 +645,8 @@ def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
 def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
     """(id, messages) pairs for one entry of eval.datasets."""
     if name in ("mt-bench", "humaneval"):
-        from dflash_trainer.models.embedded import embedded_prompts
-
         prefix = {"mt-bench": "mtbench-", "humaneval": "humaneval-"}[name]
-        convs = [c for c in embedded_prompts() if c.id.startswith(prefix)]
+        convs = [c for c in embedded.embedded_prompts() if c.id.startswith(prefix)]
         if not convs:
             raise UserError(f"no embedded prompts found for eval dataset '{name}'.")
         return [(c.id, c.messages) for c in convs]
@@ -707,17 +708,13 @@ def run_conversations(
     return summarize(spec, ar, block_size)
 
 
-def eval_command(cfg: Any, args: Any) -> int:
-    from dflash_trainer.models.export import load_drafter
-    from dflash_trainer.models.target import TargetModel
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    drafter_dir = Path(getattr(args, "drafter_path", None) or Path(cfg.run_dir) / "export")
+def load_eval_pair(cfg: Any, drafter_dir: Path, device: torch.device) -> tuple[Any, Any, int]:
+    """(target, drafter, block size) for evaluating the exported drafter in `drafter_dir`,
+    checked to belong together (taps, hidden size, block size)."""
     if not drafter_dir.is_dir():
         raise UserError(
             f"no exported drafter at '{drafter_dir}'; train first or pass --drafter DIR."
         )
-    output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
     target = TargetModel.load(cfg.target, device)
     if cfg.target.check_taps:  # wrong features would show only as a low tau
         target.check_taps()
@@ -736,11 +733,16 @@ def eval_command(cfg: Any, args: Any) -> int:
             f"eval.block_size={block_size} exceeds the drafter's trained block size "
             f"{dc.block_size}; use a value <= {dc.block_size} (0 = trained size)."
         )
+    return target, drafter, block_size
+
+
+def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> dict:
+    """Speculative decoding on every `eval.datasets` entry: name -> EvalSummary."""
     results = {}
     for name in cfg.eval.datasets:
         convs = load_prompt_set(name, cfg)[: cfg.eval.num_prompts]
         log.info("eval: %s, %d conversations, block %d", name, len(convs), block_size)
-        s = run_conversations(
+        results[name] = run_conversations(
             target,
             drafter,
             convs,
@@ -751,20 +753,4 @@ def eval_command(cfg: Any, args: Any) -> int:
             cfg.target.enable_thinking,
             seed=cfg.eval.seed,
         )
-        results[name] = s
-    print(format_table(results))
-    payload = {
-        "drafter": str(drafter_dir),
-        "target": getattr(target, "name", cfg.target.model),
-        "block_size": block_size,
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "temperature": cfg.eval.temperature,
-        "top_p": cfg.eval.top_p,
-        "seed": cfg.eval.seed,
-        "device": str(device),
-        "datasets": {k: v.to_dict() for k, v in results.items()},
-    }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(payload, indent=2), encoding="utf-8")
-    log.info("eval: wrote %s", output)
-    return 0
+    return results

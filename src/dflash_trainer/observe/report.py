@@ -248,9 +248,3 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     html_path = out / "report.html"
     html_path.write_text(r.html(run_dir), encoding="utf-8")
     return html_path
-
-
-def report_command(cfg, args) -> int:
-    html_path = write_report(args.report_run_dir, getattr(args, "report_out", None))
-    print(f"report written to {html_path}")
-    return 0

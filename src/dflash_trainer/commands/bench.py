@@ -1,0 +1,35 @@
+"""`dflash-trainer bench` / `make bench`: every benchmark under the checkout's bench/, one table
+(bench/out/results.md and results.json)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from dflash_trainer.bench_harness import ADAPTERS, find_bench_dir, machine, run_all, to_markdown
+
+
+def run(cfg, args) -> int:
+    """Runs the scripts one by one; results.json/.md are rewritten after each, so an interrupted
+    run keeps what finished. `--only S` reruns some scripts and keeps the other rows."""
+    bdir = find_bench_dir()
+    out = bdir / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    only = list(getattr(args, "only", None) or [])
+    prev = out / "results.json"
+    kept = []
+    if only and prev.is_file():
+        kept = [r for r in json.loads(prev.read_text())["rows"] if r.get("script") not in only]
+    rows: list[dict] = []
+    for script in ADAPTERS:
+        if only and script not in only:
+            continue
+        rows.extend(run_all(bdir, quick=getattr(args, "quick", False), only=[script]))
+        allr = kept + rows
+        header = f"Benchmarks, {time.strftime('%Y-%m-%d')}, {machine()}"
+        (out / "results.md").write_text(to_markdown(allr, header))
+        (out / "results.json").write_text(
+            json.dumps({"machine": machine(), "rows": allr}, indent=2)
+        )
+    print((out / "results.md").read_text())
+    return 0

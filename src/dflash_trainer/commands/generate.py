@@ -1,0 +1,35 @@
+"""`dflash-trainer generate`: regenerate assistant responses for --prompts with the target into
+--output (JSONL, appended, resumable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.config import Config
+from dflash_trainer.data.generate import generate_responses, load_prompts, print_summary
+from dflash_trainer.models.target import TargetModel
+
+
+def run(cfg: Config, args) -> int:
+    prompts = load_prompts(args.prompts, cfg)
+    if args.limit and args.limit > 0:
+        prompts = prompts[: args.limit]
+    out = Path(args.output) if args.output else Path(cfg.run_dir) / "generated.jsonl"
+    if cfg.pipeline.cpu_threads > 0:
+        torch.set_num_threads(cfg.pipeline.cpu_threads)
+    target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
+    stats = generate_responses(
+        target,
+        prompts,
+        out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        enable_thinking=cfg.target.enable_thinking,
+        seed=cfg.pipeline.seed,
+    )
+    print_summary(stats)
+    return 0
