@@ -31,8 +31,8 @@ import torch
 from dflash_trainer.config import load_config
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
-from dflash_trainer.data.prefetcher import build_batch
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.pipeline.prefetcher import build_batch
 from dflash_trainer.run import train
 from dflash_trainer.run.build import build_drafter, thread_split
 from dflash_trainer.train.objective import DFlashObjective

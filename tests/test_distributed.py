@@ -424,7 +424,7 @@ def test_cell_layout_offsets_cuda_devices_and_splits_cpu_threads():
 
 
 def test_merge_snapshots_sums_counters_and_names_stragglers():
-    from dflash_trainer.pipeline.distributed import merge_snapshots
+    from dflash_trainer.observe.ranks import merge_snapshots
 
     m = merge_snapshots(
         {

@@ -9,8 +9,8 @@ import torch
 from dflash_trainer.config import BatchingConfig
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
-from dflash_trainer.data.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.messages import End, EpochEnd, StageFailure, WorkItem
+from dflash_trainer.pipeline.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.queues import BoundedQueue
 
 CFG = BatchingConfig(
@@ -62,7 +62,7 @@ def assert_ended_cleanly(events: queue.Queue) -> None:
 
 def test_stream_contents_and_markers(caplog):
     ds = make_dataset()
-    with caplog.at_level(logging.INFO, logger="dflash_trainer.data.prefetcher"):
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.pipeline.prefetcher"):
         pf, items, markers = run_prefetcher(ds, epochs=2)
     plans = [plan_epoch(ds.lengths, CFG, e) for e in range(2)]
     assert [type(m) for m in markers] == [EpochEnd, EpochEnd, End]
@@ -185,7 +185,7 @@ def test_pin_memory_only_with_cuda():
 
 
 def test_fault_hook_reports_failure():
-    from dflash_trainer.pipeline.workers import FaultInjector
+    from dflash_trainer.pipeline.stage import FaultInjector
 
     ds = make_dataset()
     got = []

@@ -150,7 +150,7 @@ def test_features_equal_output_hidden_states(build, layer_ids):
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
 def test_features_accept_a_prepared_4d_causal_mask(build):
-    """train/step.py passes a cached additive [1,1,S,S] mask (no host sync in HF's mask code)."""
+    """pipeline/steps.py passes a cached additive [1,1,S,S] mask (no host sync in HF mask code)."""
     target = TargetModel.from_hf(build(), None, [0, 2])
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(3))
     mask4 = torch.full((9, 9), torch.finfo(torch.float32).min).triu(1)[None, None]

@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_trainer.pipeline.workers import Worker
+from dflash_trainer.pipeline.stage import Stage
 from dflash_trainer.run import train
 from tiny import tiny_config, tiny_dataset, tiny_target
 
@@ -65,7 +65,7 @@ def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch):
         with lock:
             hits.extend(local)
 
-    monkeypatch.setattr(Worker, "thread_context", staticmethod(ctx))
+    monkeypatch.setattr(Stage, "thread_context", staticmethod(ctx))
     cfg = tiny_config(
         tmp_path, **{"metrics.log_every_s": 0.05, "optim.epochs": 3, "checkpoint.every_steps": 0}
     )
@@ -80,9 +80,9 @@ def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch):
 
 
 def test_target_step_causal_mask_gives_the_same_features_on_real_tokens():
-    from dflash_trainer.data.prefetcher import build_batch
     from dflash_trainer.pipeline.messages import WorkItem
-    from dflash_trainer.train.step import TargetStep
+    from dflash_trainer.pipeline.prefetcher import build_batch
+    from dflash_trainer.pipeline.steps import TargetStep
 
     target, ds = tiny_target(), tiny_dataset()
     batch = build_batch(ds, [0, 1, 2, 3], 8, 0)

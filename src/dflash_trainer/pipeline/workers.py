@@ -1,4 +1,5 @@
-"""Worker threads of the pipeline. See runtime.py for the data flow and the shutdown protocol.
+"""The pipeline's worker threads (runtime.py has the data flow and the shutdown protocol) and the
+drafter-side step loop they share. The thread protocol is Stage's (stage.py).
 
 Every worker: owns its counters (single writer), blocks only through BoundedQueue (timeouts +
 stop event), reports its end (`End`) or its failure (`StageFailure`) to the supervisor's
@@ -7,145 +8,19 @@ stop event), reports its end (`End`) or its failure (`StageFailure`) to the supe
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 import time
 
-import torch
-
 from dflash_trainer.observe.counters import WorkerCounters
-from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, StageFailure, WorkItem
-from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
+from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkItem
+from dflash_trainer.pipeline.queues import BoundedQueue
+from dflash_trainer.pipeline.stage import Stage
 
 log = logging.getLogger(__name__)
 
 
-class InjectedFault(RuntimeError):
-    """Raised by the `pipeline.fault` test hook."""
-
-
-class BatchOutOfMemory(RuntimeError):
-    """Out of memory on one batch: says which stage, the batch shape and the setting to lower."""
-
-
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-    )  # CPU allocator
-
-
-@contextlib.contextmanager
-def oom_context(stage: str, shape) -> contextlib.AbstractContextManager:
-    """Turn an OOM inside a step into a message a user can act on."""
-    try:
-        yield
-    except BaseException as e:
-        if not _is_oom(e):
-            raise
-        rows, seq = int(shape[0]), int(shape[1])
-        hint = (
-            "batching.max_tokens (token budget per batch) or data.max_length"
-            if stage == "target"
-            else "batching.max_tokens or drafter.num_anchors, or set drafter.loss_chunk_blocks to "
-            "a few blocks (0 = auto: 128 MiB of logits on CPU, 2 GiB on CUDA)"
-        )
-        raise BatchOutOfMemory(
-            f"out of memory in the {stage} step on a batch of {rows} x {seq} tokens; lower "
-            f"{hint}, or give the stage more memory. ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200]})"
-        ) from e
-
-
-class FaultInjector:
-    """`STAGE[@RANK]:STEP[:KIND]`: when STAGE's step counter reaches STEP, raise (default), `hang`,
-    `oom` (an out-of-memory error inside the step), or send this process a `sigterm` (tests the
-    graceful-stop path end to end). With `@RANK` it
-    fires only in that torchrun rank."""
-
-    def __init__(self, spec: str, rank: int = 0):
-        self.stage, self.step, self.kind = None, -1, "raise"
-        if spec:
-            parts = spec.split(":")
-            self.stage, self.step = parts[0], int(parts[1])
-            self.kind = parts[2] if len(parts) > 2 else "raise"
-            if "@" in self.stage:
-                self.stage, only = self.stage.split("@", 1)
-                if int(only) != rank:
-                    self.stage = None
-
-    def check(self, stage: str, step: int, stop: threading.Event) -> None:
-        if self.stage is None or not stage.startswith(self.stage) or step != self.step:
-            return
-        if self.kind == "sigterm":
-            import os
-            import signal
-
-            self.stage = None  # once
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        if self.kind == "oom":
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected in {stage} at step {step})")
-        if self.kind == "hang":
-            log.warning("fault hook: %s hangs at step %d", stage, step)
-            while True:  # a stuck stage: ignores everything; the stall detector aborts
-                time.sleep(1.0)
-        raise InjectedFault(f"injected fault in stage '{stage}' at step {step}")
-
-
-class Worker(threading.Thread):
-    """Base: runs `loop()`, turns its exit into an End or a StageFailure on `events`."""
-
-    role = ""  # observe.counters.ROLES; each subclass names its own
-
-    def __init__(
-        self,
-        name: str,
-        events: queue.Queue,
-        stop: threading.Event,
-        threads: int,
-        faults: FaultInjector,
-    ):
-        super().__init__(name=name, daemon=True)  # daemon: a hung stage cannot block exit
-        self.counters = WorkerCounters(name=name, role=self.role)
-        self.events = events
-        self.stop = stop
-        self.threads = threads
-        self.faults = faults
-
-    # Test hook: a callable(worker) -> context manager entered around the loop in this thread
-    # (the zero-sync test installs a TorchDispatchMode that counts host-reading ops).
-    thread_context = None
-
-    def run(self) -> None:
-        if self.threads > 0:
-            torch.set_num_threads(self.threads)  # per-thread OpenMP team size on CPU
-        try:
-            if Worker.thread_context is not None:
-                with Worker.thread_context(self):
-                    self.loop()
-            else:
-                self.loop()
-            self.events.put(End(self.name))
-        except Stopped:
-            self.events.put(End(self.name))
-        except BaseException as e:  # every failure must reach the supervisor
-            self.counters.errors += 1
-            self.events.put(StageFailure.capture(self.name, e))
-
-    def loop(self) -> None:
-        raise NotImplementedError
-
-    def _get(self, q: BoundedQueue):
-        """Blocking get (timeouts + stop event inside), timed as this worker's input wait."""
-        t0 = time.perf_counter_ns()
-        item = q.get(self.stop)
-        self.counters.wait_in_ns += time.perf_counter_ns() - t0
-        return item
-
-
-class TargetWorker(Worker):
+class TargetWorker(Stage):
     """work_q -> TargetStep -> hs_q. Passes EpochEnd on; on End re-queues it for its siblings."""
 
     role = "target"
@@ -153,35 +28,33 @@ class TargetWorker(Worker):
     def __init__(
         self,
         name,
+        *,
         events,
         stop,
         threads,
         faults,
-        *,
         step_fn,
         work_q: BoundedQueue,
         hs_q: BoundedQueue,
         lock: threading.Lock,
     ):
-        super().__init__(name, events, stop, threads, faults)
+        super().__init__(name, events=events, stop=stop, threads=threads, faults=faults)
         self.step_fn, self.work_q, self.hs_q, self.lock = step_fn, work_q, hs_q, lock
+
+    def on_end(self, item: End) -> None:
+        self.work_q.put_nowait(item)  # siblings must see it too
+        self.hs_q.put(End(self.name), self.stop)
+
+    def on_epoch_end(self, item: EpochEnd) -> None:
+        self.hs_q.put(item, self.stop)
 
     def loop(self) -> None:
         c = self.counters
-        while True:
-            item = self._get(self.work_q)
-            if isinstance(item, End):
-                self.work_q.put_nowait(item)  # siblings must see it too
-                self.hs_q.put(End(self.name), self.stop)
-                return
-            if isinstance(item, EpochEnd):
-                self.hs_q.put(item, self.stop)
-                continue
+        for item in self.items(self.work_q):
             assert isinstance(item, WorkItem), type(item)
             t1 = time.perf_counter_ns()
-            with self.lock, oom_context("target", item.batch.input_ids.shape):
-                # (the lock: the eval loop borrows the target between steps)
-                self.faults.check("target", c.steps, self.stop)
+            # (the lock: the eval loop borrows the target between steps)
+            with self.lock, self.guard("target", item.batch.input_ids.shape, c.steps):
                 hb = self.step_fn(item, c)
             c.busy_ns += time.perf_counter_ns() - t1
             t2 = time.perf_counter_ns()
@@ -261,7 +134,7 @@ class StepLoop:
         return not (self.max_steps and self.state.step >= self.max_steps)
 
 
-class DrafterWorker(Worker):
+class DrafterWorker(Stage):
     """hs_q -> StepLoop. Ends after an End from every target worker (or at max_steps)."""
 
     role = "drafter"
@@ -269,45 +142,34 @@ class DrafterWorker(Worker):
     def __init__(
         self,
         name,
+        *,
         events,
         stop,
         threads,
         faults,
-        *,
         step_loop: StepLoop,
         hs_q: BoundedQueue,
         num_producers: int,
         done: threading.Event,
     ):
-        super().__init__(name, events, stop, threads, faults)
-        self.step_loop, self.hs_q, self.num_producers, self.done = (
-            step_loop,
-            hs_q,
-            num_producers,
-            done,
-        )
+        super().__init__(name, events=events, stop=stop, threads=threads, faults=faults)
+        self.step_loop, self.hs_q, self.num_producers = step_loop, hs_q, num_producers
+        self.done = done
+
+    def on_epoch_end(self, item: EpochEnd) -> None:
+        log.info("drafter: epoch %d: all %d batches handed over", item.epoch, item.num_batches)
 
     def loop(self) -> None:
-        c, ends = self.counters, 0
-        while ends < self.num_producers:
-            item = self._get(self.hs_q)
-            if isinstance(item, End):
-                ends += 1
-                continue
-            if isinstance(item, EpochEnd):
-                log.info(
-                    "drafter: epoch %d: all %d batches handed over", item.epoch, item.num_batches
-                )
-                continue
-            with oom_context("drafter", item.input_ids.shape):
-                self.faults.check("drafter", c.steps, self.stop)
+        c = self.counters
+        for item in self.items(self.hs_q, ends=self.num_producers):
+            with self.guard("drafter", item.input_ids.shape, c.steps):
                 more = self.step_loop.consume(item, c)
             if not more:
                 break
         self.done.set()
 
 
-class SequentialWorker(Worker):
+class SequentialWorker(Stage):
     """The baseline schedule: target step then drafter step in one thread, as existing
     trainers do. Same step functions as the pipelined schedule."""
 
@@ -316,34 +178,28 @@ class SequentialWorker(Worker):
     def __init__(
         self,
         name,
+        *,
         events,
         stop,
         threads,
         faults,
-        *,
         target_step,
         step_loop: StepLoop,
         work_q: BoundedQueue,
         done: threading.Event,
         lock: threading.Lock,
     ):
-        super().__init__(name, events, stop, threads, faults)
+        super().__init__(name, events=events, stop=stop, threads=threads, faults=faults)
         self.target_step, self.step_loop, self.work_q = target_step, step_loop, work_q
         self.done, self.lock = done, lock
 
     def loop(self) -> None:
         c = self.counters
-        while True:
-            item = self._get(self.work_q)
-            if isinstance(item, End):
-                break
-            if isinstance(item, EpochEnd):
-                continue
-            with self.lock, oom_context("target", item.batch.input_ids.shape):
-                self.faults.check("target", c.steps, self.stop)
+        for item in self.items(self.work_q):
+            shape = item.batch.input_ids.shape
+            with self.lock, self.guard("target", shape, c.steps):
                 hb = self.target_step(item, None)
-            with oom_context("drafter", item.batch.input_ids.shape):
-                self.faults.check("drafter", c.steps, self.stop)
+            with self.guard("drafter", shape, c.steps):
                 more = self.step_loop.consume(hb, c)
             if not more:
                 break

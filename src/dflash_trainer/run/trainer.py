@@ -1,8 +1,9 @@
 """`Trainer`: wires one run's pipeline from its built parts (run/build.py) and runs it.
 
 The data flow, the stage table and the shutdown protocol are in pipeline/runtime.py. One batch:
-BatchPrefetcher (data/prefetcher.py) -> work_q -> TargetWorker (pipeline/workers.py) running
-TargetStep (train/step.py) -> hs_q -> DrafterWorker -> StepLoop -> DrafterStep -> optimizer.
+BatchPrefetcher (pipeline/prefetcher.py) -> work_q -> TargetWorker (pipeline/workers.py) running
+TargetStep (pipeline/steps.py) -> hs_q -> DrafterWorker -> StepLoop -> DrafterStep ->
+DFlashObjective (train/objective.py) -> GuardedStep (train/optim.py).
 Between optimizer steps the drafter thread calls `Trainer.on_step_end` (checkpoint, periodic eval)
 and, under torchrun, `Trainer.stop_vote`.
 
@@ -29,26 +30,26 @@ from tqdm import tqdm
 
 from dflash_trainer.checkpoint import AsyncCheckpointWriter, contiguous_prefix, snapshot_checkpoint
 from dflash_trainer.config import Config
-from dflash_trainer.data.prefetcher import BatchPrefetcher
 from dflash_trainer.models.export import export_drafter, export_weights
 from dflash_trainer.observe.balance import assess as assess_balance
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.monitor import Monitor
+from dflash_trainer.observe.ranks import MergingSink, merge_snapshots, rank_snapshot
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.observe.sinks import build_sinks
-from dflash_trainer.pipeline import distributed as dist_mod
+from dflash_trainer.pipeline.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
+from dflash_trainer.pipeline.stage import FaultInjector
+from dflash_trainer.pipeline.steps import DrafterStep, TargetStep
 from dflash_trainer.pipeline.workers import (
     DrafterWorker,
-    FaultInjector,
     SequentialWorker,
     StepLoop,
     TargetWorker,
 )
 from dflash_trainer.run.build import RunParts, build_run, replicate_target, thread_split
 from dflash_trainer.run.evaluation import PeriodicEval
-from dflash_trainer.train.step import DrafterStep, TargetStep
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +322,7 @@ class Trainer:
         sinks = None
         if self.dist is not None and self.rank == 0:  # merged per-rank metrics; rank 0 writes
             inner = build_sinks(cfg.metrics, parts.run_dir, parts.config_dict)
-            sinks = dist_mod.MergingSink(inner, self.dist)
+            sinks = MergingSink(inner, self.dist)
         target = parts.target
         devices = {torch.device(d) for d in p.target_devices} | {parts.drafter_device}
         return Monitor(
@@ -376,7 +377,7 @@ class Trainer:
         return self.dist.agree_stop(self.signals.requested.is_set())
 
     def _publish(self, final: bool = False) -> None:
-        snap = dist_mod.rank_snapshot(
+        snap = rank_snapshot(
             self.loop.state,
             self.mon.latest(),
             self.threads[-1].counters,
@@ -518,9 +519,7 @@ class Trainer:
                 self._publish(final=True)
             ck = self.checkpoint_now()
             if self.dist is not None and self.rank == 0:
-                merged.update(
-                    dist_mod.merge_snapshots(self.dist.snapshots(), self.parts.world_size)
-                )
+                merged.update(merge_snapshots(self.dist.snapshots(), self.parts.world_size))
             if self.cfg.eval.every_steps and self.rank == 0 and reason != "signal":
                 rec = self.evaluator.run(self.loop.state.step)
                 if rec:

@@ -37,9 +37,8 @@ from dflash_trainer.data.batching import (
     bucket_entropy,
     plan_skipping,
 )
-from dflash_trainer.observe.counters import WorkerCounters
-from dflash_trainer.pipeline.messages import Batch, End, EpochEnd, StageFailure, WorkItem
-from dflash_trainer.pipeline.queues import Stopped
+from dflash_trainer.pipeline.messages import Batch, End, EpochEnd, WorkItem
+from dflash_trainer.pipeline.stage import Stage
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,9 @@ def build_batch(dataset, indices, pad_multiple: int, pad_id: int) -> Batch:
     )
 
 
-class BatchPrefetcher(threading.Thread):
+class BatchPrefetcher(Stage):
+    role = "prefetch"
+
     def __init__(
         self,
         dataset,
@@ -84,12 +85,11 @@ class BatchPrefetcher(threading.Thread):
         skip_samples=None,
         faults=None,
     ):
-        super().__init__(name=name, daemon=True)
+        # failures: the supervisor's events queue, or a callable (Stage.report)
+        super().__init__(name, events=failures, stop=stop, faults=faults)
         self.dataset = dataset
         self.cfg = batching_cfg
         self.work_q = work_q
-        self.stop = stop
-        self.failures = failures
         self.epochs = int(epochs)
         self.rank, self.world_size = int(rank), int(world_size)
         # Pinning needs a CUDA runtime; on CPU-only machines it is a no-op by design.
@@ -99,9 +99,6 @@ class BatchPrefetcher(threading.Thread):
         # reduced plan (see plan_skipping).
         self.skip_samples = list(skip_samples) if skip_samples else None
         self.pad_id = int(getattr(dataset, "pad_id", 0))
-        self.counters = WorkerCounters(name=name, role="prefetch")
-        # Optional test hook (pipeline.workers.FaultInjector: `pipeline.fault`).
-        self.faults = faults
         # Batch composition (single writer: this thread).
         # Edges depend only on the lengths and the config, so they are fixed for the run.
         self.num_buckets = len(bucket_edges(dataset.lengths, batching_cfg)) + 1
@@ -131,24 +128,8 @@ class BatchPrefetcher(threading.Thread):
             return last_consumed_epoch + 1, 0
         return last_consumed_epoch, nxt
 
-    # ---- thread body ----
-    def run(self) -> None:
-        try:
-            self._run()
-            self._report(End(self.name))  # the supervisor's proof of a normal end
-        except Stopped:
-            self._report(End(self.name))
-        except BaseException as e:  # every failure crosses to the supervisor
-            self.counters.errors += 1
-            self._report(StageFailure.capture("prefetch", e))
-
-    def _report(self, event: End | StageFailure) -> None:
-        if callable(self.failures):
-            self.failures(event)
-        else:
-            self.failures.put_nowait(event)
-
-    def _run(self) -> None:
+    # ---- thread body (Stage.run reports its end or failure) ----
+    def loop(self) -> None:
         start_epoch, start_seq = self.start_position
         # batch_id is global across epochs: count the batches of the epochs already done.
         batch_id = sum(self.batches_in_epoch(e) for e in range(start_epoch)) + start_seq
@@ -159,8 +140,7 @@ class BatchPrefetcher(threading.Thread):
             self.dropped_samples += plan.dropped_samples
             first = start_seq if epoch == start_epoch else 0
             for seq_no in range(first, len(plan.batches)):
-                if self.faults is not None:
-                    self.faults.check("prefetch", c.steps, self.stop)
+                self.check_fault("prefetch", c.steps)
                 t0 = time.perf_counter_ns()
                 idx = plan.batches[seq_no]
                 batch = build_batch(self.dataset, idx, self.cfg.pad_multiple, self.pad_id)
