@@ -39,6 +39,12 @@ from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
 
 
+def _padding_mask(ds, b):
+    """[B, S] long, 1 = real token: the rows' lengths against the padded length."""
+    lens = torch.as_tensor(ds.lengths[b.sample_ids.numpy()])
+    return (torch.arange(b.input_ids.shape[1])[None] < lens[:, None]).long()
+
+
 def synthetic_dataset(n: int, vocab: int, seed: int = 0) -> TokenizedDataset:
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(220), 0.5, n), 48, 512).astype(int)
@@ -105,7 +111,7 @@ def run_colocated(target, ds, steps) -> float:
             with torch.no_grad():
                 out = target.model(
                     input_ids=b.input_ids,
-                    attention_mask=b.attention_mask,
+                    attention_mask=_padding_mask(ds, b),
                     output_hidden_states=True,
                 )
                 feats = torch.cat([out.hidden_states[j + 1] for j in target.layer_ids], -1)
@@ -140,9 +146,9 @@ def isolated_rates(target, ds, steps) -> tuple[float, float]:
         build_batch(ds, plan[i % len(plan)], cfg.batching.pad_multiple, 0) for i in range(steps)
     ]
     torch.set_num_threads(t_thr)
-    target.features(batches[0].input_ids, batches[0].attention_mask)  # warm-up
+    target.features(batches[0].input_ids, _padding_mask(ds, batches[0]))  # warm-up
     t0 = time.perf_counter()
-    feats = [target.features(b.input_ids, b.attention_mask) for b in batches]
+    feats = [target.features(b.input_ids, _padding_mask(ds, b)) for b in batches]
     t_rate = sum(b.num_real_tokens for b in batches) / (time.perf_counter() - t0)
     torch.set_num_threads(d_thr)
     drafter = build_drafter(cfg, target, "cpu")

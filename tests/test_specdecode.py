@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from dflash_trainer.data.chat import prompt_ids
 from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.eval.metrics import position_acceptance, summarize
 from dflash_trainer.eval.specdecode import (
@@ -723,7 +724,7 @@ def test_smollm2_fp32_random_drafter_lossless():
     torch.manual_seed(0)
     drafter = drafter_mod.DFlashDrafter(drafter_mod.DFlashConfig.from_configs(cfg.drafter, t))
     prompts = [
-        sd._chat_ids(t.tokenizer, [{"role": "user", "content": q}], False)
+        prompt_ids(t.tokenizer, [{"role": "user", "content": q}], False)
         for q in ("Name three colours.", "Write a haiku about rain.")
     ]
     s = evaluate(t, drafter, prompts, 16, 8, warmup=False)

@@ -86,7 +86,9 @@ def test_target_step_causal_mask_gives_the_same_features_on_real_tokens():
 
     target, ds = tiny_target(), tiny_dataset()
     batch = build_batch(ds, [0, 1, 2, 3], 8, 0)
-    hb = TargetStep(target, torch.device("cpu"), torch.float32)(WorkItem(0, 0, 0, batch))
-    ref = target.features(batch.input_ids, batch.attention_mask)
-    real = batch.attention_mask.bool()
+    hb = TargetStep(target, torch.device("cpu"), torch.float32)(WorkItem(0, 0, batch))
+    # reference: HF's own 2-D padding mask (1 = real token) from the rows' lengths
+    lens = torch.as_tensor(ds.lengths[batch.sample_ids.numpy()])
+    real = torch.arange(batch.input_ids.shape[1])[None] < lens[:, None]
+    ref = target.features(batch.input_ids, real.long())
     torch.testing.assert_close(hb.features[real], ref[real])

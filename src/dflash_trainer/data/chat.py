@@ -74,6 +74,14 @@ def _render(tokenizer, messages, gen: bool, kwargs: dict) -> str:
     )
 
 
+def prompt_ids(tokenizer, messages: list[dict], enable_thinking: bool) -> list[int]:
+    """Token ids of `messages` rendered with the chat template plus the generation prompt: what
+    the target answers (generation, evaluation). Templates ignore variables they do not use, so
+    enable_thinking is safe to pass to all."""
+    text = _render(tokenizer, messages, True, {"enable_thinking": enable_thinking})
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def _special_strings(tokenizer) -> tuple[str, ...]:
     specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
     for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():

@@ -1,4 +1,5 @@
-"""Regenerate assistant responses with the target (method §2.6: train on the target's own outputs).
+"""Regenerate assistant responses with the target (dflash-method.md §2.6: train on the
+target's own outputs).
 
 Output is OpenAI-messages JSONL, one record per prompt:
     {"id", "messages": [...prompt..., {"role": "assistant", "content"}], "provenance": {...}}
@@ -20,7 +21,9 @@ import zlib
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from dflash_trainer.data.chat import prompt_ids
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import embedded  # module: tests patch embedded_prompts
@@ -109,11 +112,7 @@ def _render(tokenizer, messages: list[dict], enable_thinking: bool) -> list[int]
             "the target's tokenizer has no chat template, so prompts cannot be "
             "rendered for generation; use an instruct/chat model as target.model."
         )
-    # Templates ignore variables they do not use, so enable_thinking is safe to pass to all.
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return prompt_ids(tokenizer, messages, enable_thinking)
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +126,67 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
 
 
 # -------------------------------------------------------------------------------------- generation
+
+
+def _todo(prompts, done: set, tokenizer, enable_thinking: bool) -> list[tuple]:
+    """(id, prompt messages, prompt ids) of the prompts not done yet, shortest first (a batch
+    then wastes little padding)."""
+    todo, seen = [], set(done)
+    for p in prompts:
+        if p.id in seen:
+            continue
+        seen.add(p.id)
+        msgs = prompt_messages(p.messages)
+        if not msgs:
+            log.warning("prompt %s has no user turn before its first assistant turn; skipped", p.id)
+            continue
+        todo.append((p.id, msgs, _render(tokenizer, msgs, enable_thinking)))
+    todo.sort(key=lambda t: len(t[2]))
+    return todo
+
+
+def _generation_config(tok, eos: list[int], pad_id: int, max_new_tokens, temperature, top_p):
+    # A fresh GenerationConfig: the model's own (e.g. Qwen3's sampling defaults) must not leak in.
+    from transformers import GenerationConfig  # transformers: heavy, imported when used
+
+    sample = temperature > 0
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        eos_token_id=eos or None,
+        pad_token_id=pad_id,
+        bos_token_id=tok.bos_token_id,
+        **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}),
+    )
+
+
+def _generate_batch(target, chunk, gen_cfg, pad_id, eos_t, seed, provenance) -> tuple[list, int]:
+    """Records for one batch of prompts, and the new tokens they hold."""
+    tok = target.tokenizer
+    ids, mask = _left_pad([t[2] for t in chunk], pad_id, target.device)
+    # Seeded per batch from its first id, so a sampled batch does not depend on the ones
+    # before it (resumed runs stay reproducible when the batches line up).
+    torch.manual_seed(seed ^ zlib.crc32(chunk[0][0].encode()))
+    with torch.no_grad():
+        out = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+    new = out[:, ids.shape[1] :]
+    # One host copy per batch (this is a CLI loop, not a training step).
+    is_eos = torch.isin(new, eos_t)
+    has_eos = is_eos.any(dim=1)
+    n_tok = torch.where(has_eos, is_eos.int().argmax(dim=1), new.shape[1])
+    new_l, n_l, eos_l = new.cpu().tolist(), n_tok.cpu().tolist(), has_eos.cpu().tolist()
+    records, new_tokens = [], 0
+    for (pid, msgs, _), row, n, stopped in zip(chunk, new_l, n_l, eos_l):
+        text = tok.decode(row[:n], skip_special_tokens=True)
+        records.append(
+            {
+                "id": pid,
+                "messages": msgs + [{"role": "assistant", "content": text}],
+                "provenance": {**provenance, "finish_reason": "stop" if stopped else "length"},
+            }
+        )
+        new_tokens += n + int(stopped)
+    return records, new_tokens
 
 
 def generate_responses(
@@ -162,18 +222,7 @@ def generate_responses(
         "thinking": enable_thinking,
     }
     done = read_done_ids(path, expect=provenance)
-
-    todo, seen = [], set(done)
-    for p in prompts:
-        if p.id in seen:
-            continue
-        seen.add(p.id)
-        msgs = prompt_messages(p.messages)
-        if not msgs:
-            log.warning("prompt %s has no user turn before its first assistant turn; skipped", p.id)
-            continue
-        todo.append((p.id, msgs, _render(target.tokenizer, msgs, enable_thinking)))
-    todo.sort(key=lambda t: len(t[2]))
+    todo = _todo(prompts, done, target.tokenizer, enable_thinking)
     stats = {
         "skipped_done": len(done),
         "written": 0,
@@ -189,23 +238,9 @@ def generate_responses(
     eos = list(target.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     eos_t = torch.tensor(eos or [-1], device=target.device)
-    # A fresh GenerationConfig: the model's own (e.g. Qwen3's sampling defaults) must not leak in.
-    from transformers import GenerationConfig
-
-    sample = temperature > 0
-    gen_cfg = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        eos_token_id=eos or None,
-        pad_token_id=pad_id,
-        bos_token_id=tok.bos_token_id,
-        **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}),
-    )
-
+    gen_cfg = _generation_config(tok, eos, pad_id, max_new_tokens, temperature, top_p)
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(
             total=len(todo) + len(done),
             initial=len(done),
@@ -218,34 +253,10 @@ def generate_responses(
     try:
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
-            ids, mask = _left_pad([t[2] for t in chunk], pad_id, target.device)
-            # Seeded per batch from its first id, so a sampled batch does not depend on the ones
-            # before it (resumed runs stay reproducible when the batches line up).
-            torch.manual_seed(seed ^ zlib.crc32(chunk[0][0].encode()))
-            with torch.no_grad():
-                out = target.model.generate(
-                    input_ids=ids, attention_mask=mask, generation_config=gen_cfg
-                )
-            new = out[:, ids.shape[1] :]
-            # One host copy per batch (this is a CLI loop, not a training step).
-            is_eos = torch.isin(new, eos_t)
-            has_eos = is_eos.any(dim=1)
-            n_tok = torch.where(has_eos, is_eos.int().argmax(dim=1), new.shape[1])
-            new_l, n_l, eos_l = new.cpu().tolist(), n_tok.cpu().tolist(), has_eos.cpu().tolist()
-            records = []
-            for (pid, msgs, _), row, n, stopped in zip(chunk, new_l, n_l, eos_l):
-                text = tok.decode(row[:n], skip_special_tokens=True)
-                records.append(
-                    {
-                        "id": pid,
-                        "messages": msgs + [{"role": "assistant", "content": text}],
-                        "provenance": {
-                            **provenance,
-                            "finish_reason": "stop" if stopped else "length",
-                        },
-                    }
-                )
-                stats["new_tokens"] += n + int(stopped)
+            records, new_tokens = _generate_batch(
+                target, chunk, gen_cfg, pad_id, eos_t, seed, provenance
+            )
+            stats["new_tokens"] += new_tokens
             _append_records(path, records)
             stats["written"] += len(records)
             stats["seconds"] = time.perf_counter() - t0

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from dflash_trainer.data.chat import build_dataset
+from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
 
 log = logging.getLogger(__name__)
@@ -23,8 +24,6 @@ def resolve_sources(cfg, target=None) -> list[str]:
     for spec in cfg.data.sources:
         path, weight = parse_source_spec(spec)
         if path == "embedded":
-            from dflash_trainer.data.generate import ensure_embedded_responses
-
             resolved = ensure_embedded_responses(cfg, target=target)
             out.append(f"{resolved}@{weight}" if weight != 1.0 else str(resolved))
         else:

@@ -72,15 +72,6 @@ class SourceReport:
     def total(self, name: str) -> int:
         return sum(getattr(s, name) for s in self.sources)
 
-    def as_dict(self) -> dict:
-        return {
-            s.path: {
-                k: getattr(s, k)
-                for k in ("weight", "read", "bad", "dropped_empty", "kept", "sampled")
-            }
-            for s in self.sources
-        }
-
     def summary(self) -> str:
         parts = [
             f"{Path(s.path).name}@{s.weight:g}: read {s.read}, bad {s.bad}, "
@@ -90,8 +81,9 @@ class SourceReport:
         return "; ".join(parts)
 
 
-class _BadRecord(Exception):
-    """Internal: a record failed validation; `field` is the JSON path of the offending value."""
+class BadRecord(Exception):
+    """A record failed validation (`parse_record`); `field` is the JSON path of the offending
+    value."""
 
     def __init__(self, field: str, problem: str):
         super().__init__(problem)
@@ -146,7 +138,7 @@ def _resolve(path_str: str, roots: tuple | list) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# Readers: yield (locator, record dict or _BadRecord)
+# Readers: yield (locator, record dict or BadRecord)
 # --------------------------------------------------------------------------------------------
 
 
@@ -163,7 +155,7 @@ def _read_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
             except UnicodeDecodeError as e:
                 yield (
                     loc,
-                    _BadRecord(
+                    BadRecord(
                         "<bytes>",
                         f"not valid UTF-8 (byte offset {e.start} in the "
                         "line); re-encode the file as UTF-8",
@@ -177,7 +169,7 @@ def _read_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
             try:
                 rec = json.loads(text)
             except json.JSONDecodeError as e:
-                rec = _BadRecord("<json>", f"invalid JSON ({e.msg} at column {e.colno})")
+                rec = BadRecord("<json>", f"invalid JSON ({e.msg} at column {e.colno})")
             del text
             yield loc, rec
 
@@ -290,61 +282,61 @@ def _content(value: Any, field_name: str) -> str:
                 and part.get("type") == "text"
                 and isinstance(part.get("text"), str)
             ):
-                raise _BadRecord(
+                raise BadRecord(
                     f"{field_name}[{j}]",
                     "only text content parts ({'type': 'text', 'text': str}) are supported",
                 )
             out.append(part["text"])
         return "".join(out)
-    raise _BadRecord(field_name, f"expected a string, got {type(value).__name__}")
+    raise BadRecord(field_name, f"expected a string, got {type(value).__name__}")
 
 
 def parse_record(rec: Any) -> tuple[Any, list[dict]]:
-    """Validate one record; return (id or None, messages). Raises _BadRecord."""
+    """Validate one record; return (id or None, messages). Raises BadRecord."""
     if not isinstance(rec, dict):
-        raise _BadRecord("<record>", f"expected a JSON object, got {type(rec).__name__}")
+        raise BadRecord("<record>", f"expected a JSON object, got {type(rec).__name__}")
     if "messages" in rec and rec["messages"] is not None:
         key, role_key, text_key, roles = "messages", "role", "content", None
     elif "conversations" in rec and rec["conversations"] is not None:
         key, role_key, text_key, roles = "conversations", "from", "value", _SHAREGPT_ROLES
     else:
-        raise _BadRecord(
+        raise BadRecord(
             "messages",
             "missing: a record needs 'messages' (OpenAI: role/content) "
             "or 'conversations' (ShareGPT: from/value)",
         )
     turns = rec[key]
     if not isinstance(turns, list):
-        raise _BadRecord(key, f"expected a list, got {type(turns).__name__}")
+        raise BadRecord(key, f"expected a list, got {type(turns).__name__}")
     messages = []
     for i, t in enumerate(turns):
         where = f"{key}[{i}]"
         if not isinstance(t, dict):
-            raise _BadRecord(where, f"expected an object, got {type(t).__name__}")
+            raise BadRecord(where, f"expected an object, got {type(t).__name__}")
         if role_key not in t:
-            raise _BadRecord(f"{where}.{role_key}", "missing")
+            raise BadRecord(f"{where}.{role_key}", "missing")
         role = t[role_key]
         if not isinstance(role, str):
-            raise _BadRecord(f"{where}.{role_key}", f"expected a string, got {type(role).__name__}")
+            raise BadRecord(f"{where}.{role_key}", f"expected a string, got {type(role).__name__}")
         if roles is None:
             if role not in _OPENAI_ROLES:
-                raise _BadRecord(
+                raise BadRecord(
                     f"{where}.{role_key}",
                     f"unknown role {role!r} (expected one of {', '.join(_OPENAI_ROLES)})",
                 )
         else:
             if role not in roles:
-                raise _BadRecord(
+                raise BadRecord(
                     f"{where}.{role_key}",
                     f"unknown speaker {role!r} (expected one of {', '.join(roles)})",
                 )
             role = roles[role]
         if text_key not in t:
-            raise _BadRecord(f"{where}.{text_key}", "missing")
+            raise BadRecord(f"{where}.{text_key}", "missing")
         messages.append({"role": role, "content": _content(t[text_key], f"{where}.{text_key}")})
     rid = rec.get("id")
     if rid is not None and not isinstance(rid, (str, int)):
-        raise _BadRecord("id", f"expected a string or integer, got {type(rid).__name__}")
+        raise BadRecord("id", f"expected a string or integer, got {type(rid).__name__}")
     return rid, messages
 
 
@@ -372,10 +364,10 @@ def read_source(
     for loc, rec in _reader_for(p)(p):
         stats.read += 1
         try:
-            if isinstance(rec, _BadRecord):
+            if isinstance(rec, BadRecord):
                 raise rec
             rid, messages = parse_record(rec)
-        except _BadRecord as e:
+        except BadRecord as e:
             msg = f"{p}: {loc}: field '{e.field}': {e.problem}."
             if on_bad_record == "skip":
                 stats.bad += 1

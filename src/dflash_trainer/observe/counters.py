@@ -34,7 +34,6 @@ class WorkerCounters:
     padded_tokens: int = 0  # rows x padded length finished
     query_tokens: int = 0  # drafter: block query tokens trained (rows x anchors x block_size)
     errors: int = 0
-    skipped_steps: int = 0  # non-finite steps skipped (drafter)
     busy_ns: int = 0  # host time spent in the step body
     wait_in_ns: int = 0  # host time blocked on the input queue
     wait_out_ns: int = 0  # host time blocked on the output queue

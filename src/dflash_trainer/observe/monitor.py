@@ -37,7 +37,6 @@ _WORKER_FIELDS = (
     "padded_tokens",
     "query_tokens",
     "errors",
-    "skipped_steps",
     "busy_ns",
     "wait_in_ns",
     "wait_out_ns",
@@ -201,7 +200,6 @@ class Monitor:
             m[p + "wait_in_frac"] = d["wait_in_ns"] / win_ns
             m[p + "wait_out_frac"] = d["wait_out_ns"] / win_ns
             m[p + "errors_total"] = float(cur["errors"])
-            m[p + "skipped_steps_total"] = float(cur["skipped_steps"])
             if d["padded_tokens"] > 0:
                 m[p + "padding_eff"] = d["tokens"] / d["padded_tokens"]
             q = f"prof/{w.name}/"

@@ -22,9 +22,8 @@ class Batch:
 
     input_ids: torch.Tensor  # [B, S] long
     loss_mask: torch.Tensor  # [B, S] bool: assistant tokens
-    attention_mask: torch.Tensor  # [B, S] long: 1 = real token
     sample_ids: torch.Tensor  # [B] long: index into the dataset (sample ledger)
-    num_real_tokens: int  # sum(attention_mask), computed on CPU before any H2D
+    num_real_tokens: int  # unpadded tokens, computed on CPU before any H2D
 
     @property
     def num_padded_tokens(self) -> int:
@@ -34,7 +33,6 @@ class Batch:
         return Batch(
             self.input_ids.pin_memory(),
             self.loss_mask.pin_memory(),
-            self.attention_mask.pin_memory(),
             self.sample_ids,
             self.num_real_tokens,
         )
@@ -44,7 +42,6 @@ class Batch:
 class WorkItem:
     seq_no: int  # position in the epoch's batch stream (for exact resume)
     epoch: int
-    batch_id: int  # global, monotonically increasing across epochs
     batch: Batch
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
 
@@ -62,7 +59,6 @@ class HiddenBatch:
 
     seq_no: int
     epoch: int
-    batch_id: int
     input_ids: torch.Tensor  # [B, S] on the drafter device
     loss_mask: torch.Tensor  # [B, S] bool on the drafter device
     features: torch.Tensor  # [B, S, n*H] on the drafter device

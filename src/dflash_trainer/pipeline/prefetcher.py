@@ -14,8 +14,9 @@ message when the thread ends: `End(name)` after a normal end or a stop, or
 `StageFailure.capture("prefetch", e)` for any other exception (then no End goes to work_q).
 
 Position: the prefetcher runs ahead of training, so its own progress is not the resume point.
-The consumer tracks the last consumed (epoch, seq_no); `resume_position` turns it into the
-`start` of a new prefetcher, which then yields exactly the rest of the uninterrupted stream.
+The step loop records the seq_nos of the current epoch it has trained (TrainState.consumed, in
+checkpoints); `checkpoint.contiguous_prefix` turns them into the `start` (epoch, seq_no) of a
+new prefetcher, which then yields exactly the rest of the uninterrupted stream.
 
 Counters (single writer = this thread; the monitor only reads): `counters` (WorkerCounters) and
 the batch-composition fields read through `composition()`.
@@ -50,16 +51,13 @@ def build_batch(dataset, indices, pad_multiple: int, pad_id: int) -> Batch:
     b = len(indices)
     ids = np.full((b, s), pad_id, dtype=np.int64)
     mask = np.zeros((b, s), dtype=np.bool_)
-    attn = np.zeros((b, s), dtype=np.int64)
     for r, i in enumerate(indices):
         n = int(lens[r])
         ids[r, :n] = dataset.input_ids[i]
         mask[r, :n] = dataset.loss_mask[i]
-        attn[r, :n] = 1
     return Batch(
         torch.from_numpy(ids),
         torch.from_numpy(mask),
-        torch.from_numpy(attn),
         torch.as_tensor(np.asarray(indices, dtype=np.int64)),
         int(lens.sum()),
     )
@@ -115,24 +113,9 @@ class BatchPrefetcher(Stage):
             self.dataset.lengths, self.cfg, epoch, self.rank, self.world_size, skip
         )
 
-    def batches_in_epoch(self, epoch: int) -> int:
-        return len(self.plan(epoch).batches)
-
-    @staticmethod
-    def resume_position(
-        last_consumed_epoch: int, last_consumed_seq_no: int, batches_in_epoch: int
-    ) -> tuple[int, int]:
-        """(epoch, seq_no) of the first batch NOT yet consumed. seq_no -1 = none of that epoch."""
-        nxt = last_consumed_seq_no + 1
-        if nxt >= batches_in_epoch:
-            return last_consumed_epoch + 1, 0
-        return last_consumed_epoch, nxt
-
     # ---- thread body (Stage.run reports its end or failure) ----
     def loop(self) -> None:
         start_epoch, start_seq = self.start_position
-        # batch_id is global across epochs: count the batches of the epochs already done.
-        batch_id = sum(self.batches_in_epoch(e) for e in range(start_epoch)) + start_seq
         c = self.counters
         for epoch in range(start_epoch, self.epochs):
             plan = self.plan(epoch)
@@ -146,13 +129,12 @@ class BatchPrefetcher(Stage):
                 batch = build_batch(self.dataset, idx, self.cfg.pad_multiple, self.pad_id)
                 if self.pin_memory:
                     batch = batch.pin_memory()
-                item = WorkItem(seq_no, epoch, batch_id, batch)
+                item = WorkItem(seq_no, epoch, batch)
                 t1 = time.perf_counter_ns()
                 c.busy_ns += t1 - t0
                 self.work_q.put(item, self.stop)
                 c.wait_out_ns += time.perf_counter_ns() - t1
                 self._count(plan.buckets[seq_no], batch, idx)
-                batch_id += 1
             self.work_q.put(EpochEnd(epoch, len(plan.batches)), self.stop)
             log.info("epoch %d fully queued (%d batches)", epoch, len(plan.batches))
         self.work_q.put(End("prefetch"), self.stop)

@@ -91,7 +91,6 @@ class TargetStep:
         return HiddenBatch(
             seq_no=item.seq_no,
             epoch=item.epoch,
-            batch_id=item.batch_id,
             input_ids=ids_d,
             loss_mask=mask_d,
             features=feats,

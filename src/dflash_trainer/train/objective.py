@@ -1,4 +1,5 @@
-"""The DFlash training objective (method §2.2-2.4): anchors -> blocks -> drafter -> weighted CE.
+"""The DFlash training objective (dflash-method.md §2.2-2.4): anchors -> blocks -> drafter ->
+weighted CE.
 
 Per row of the batch (S = padded length, N = num_anchors, bs = block_size):
   1. valid anchors p: loss_mask[p] and loss_mask[p+1] (a response token whose successor is
@@ -66,16 +67,6 @@ class DFlashObjective:
             ["loss", "acc"]
             + [f"acc_{k}" for k in range(1, bs)]
             + ["accept_len", "num_blocks", "num_label_tokens"]
-        )
-
-    @classmethod
-    def from_config(cls, drafter_cfg, mask_token_id: int) -> DFlashObjective:
-        return cls(
-            drafter_cfg.block_size,
-            drafter_cfg.num_anchors,
-            drafter_cfg.gamma,
-            mask_token_id,
-            drafter_cfg.loss_chunk_blocks,
         )
 
     def slot_weights(self, device) -> torch.Tensor:
