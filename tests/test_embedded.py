@@ -7,15 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trainer.data.embedded import embedded_prompts, humaneval_prompts, mtbench_prompts
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import embedded
-from dflash_trainer.models.embedded import (
-    cache_root,
-    embedded_prompts,
-    embedded_target_dir,
-    humaneval_prompts,
-    mtbench_prompts,
-)
+from dflash_trainer.models.embedded import cache_root, embedded_target_dir
 
 HAS = {
     m: importlib.util.find_spec(m) is not None

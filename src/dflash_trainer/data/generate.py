@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.chat import prompt_ids
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
-from dflash_trainer.models import embedded  # module: tests patch embedded_prompts
+from dflash_trainer.models.embedded import cache_root
 from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,7 @@ def embedded_responses_path(cfg) -> Path:
         **EMBEDDED_GEN,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return embedded.cache_root(cfg.target.cache_dir) / "responses" / f"{digest}.jsonl"
+    return cache_root(cfg.target.cache_dir) / "responses" / f"{digest}.jsonl"
 
 
 def ensure_embedded_responses(cfg, target=None) -> Path:

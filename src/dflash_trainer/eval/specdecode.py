@@ -38,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.chat import prompt_ids
 from dflash_trainer.data.sources import BadRecord, parse_record
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.metrics import EvalSummary, summarize
-from dflash_trainer.models import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache, tap_outputs
 

