@@ -11,6 +11,11 @@
    skip-abort, signals, progress bar.
 ```
 
+Where each piece lives: prefetcher.py (BatchPrefetcher), workers.py (TargetWorker, DrafterWorker,
+SequentialWorker, and StepLoop, the drafter-side bookkeeping), steps.py (TargetStep, DrafterStep),
+stage.py (the end/failure protocol and loop head every stage shares), queues.py, messages.py;
+run/trainer.py builds and wires them for a run.
+
 | stage     | consumes        | waits for                  | unblocked by                  | shutdown                          |
 |-----------|-----------------|----------------------------|-------------------------------|-----------------------------------|
 | prefetch  | dataset         | room in work_q             | a target worker's get         | End after last epoch; stop event  |
