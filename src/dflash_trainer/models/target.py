@@ -25,11 +25,11 @@ from torch import nn
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import embedded
+from dflash_trainer.models.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_PREFIX = "embedded:"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
@@ -195,6 +195,20 @@ class TargetModel:
             for k, lid in enumerate(self.layer_ids)
         ]
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers (a drafter can start from copies of the last ones)."""
+        return self._layers
+
+    @property
+    def final_norm(self) -> nn.Module | None:
+        """The norm before the LM head, where the backbone has one (`norm`, `ln_f`)."""
+        for name in ("norm", "ln_f", "final_layernorm"):
+            m = getattr(self._backbone, name, None)
+            if isinstance(m, nn.Module):
+                return m
+        return None
+
     # ------------------------------------------------------------------ construction
 
     @classmethod
@@ -219,7 +233,7 @@ class TargetModel:
             )
         else:
             path = name
-        dtype = _DTYPES[target_cfg.dtype]
+        dtype = resolve_dtype(target_cfg.dtype, device)
         trc = bool(target_cfg.trust_remote_code)
         if trc:
             log.warning("target.trust_remote_code is on: %s may run its own Python code.", name)

@@ -76,6 +76,8 @@ class StepLoop:
     `on_step_end(step)`: after every optimizer step (periodic checkpoint / eval), or None.
     `stop_vote()`: torchrun only, a collective run after every optimizer step on every rank (all
     ranks stop after the same step); True = stop now. None in a single process.
+    `budget`: a train.budget.TimeBudget (optim.time_budget_s), started at the first step; the
+    loop ends after the step that spends it (under torchrun the stop vote carries it instead).
     """
 
     def __init__(
@@ -87,8 +89,10 @@ class StepLoop:
         on_step_end=None,
         stop_vote=None,
         queries_per_row: int = 0,
+        budget=None,
     ):
         self.step_fn = step_fn
+        self.budget = budget
         self.state = state  # checkpoint.TrainState
         if self.state.consumed is None:
             self.state.consumed = []
@@ -107,6 +111,8 @@ class StepLoop:
             # First batch of a new epoch: the previous one is complete.
             self.state.epoch, self.state.consumed = hb.epoch, []
             self.state.consumed_samples = []
+        if self.budget is not None:
+            self.budget.start()
         t0 = time.perf_counter_ns()
         stepped = self.step_fn(hb, self.state.step, counters)
         counters.busy_ns += time.perf_counter_ns() - t0
@@ -131,6 +137,8 @@ class StepLoop:
                 counters.beat()
                 return False
         counters.beat()
+        if stepped and self.stop_vote is None and self.budget is not None and self.budget.spent():
+            return False
         return not (self.max_steps and self.state.step >= self.max_steps)
 
 

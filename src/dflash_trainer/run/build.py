@@ -19,7 +19,10 @@ from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.attention import resolve_impl
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.init_target import init_from_target
+from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.train.budget import TimeBudget
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
 
@@ -55,6 +58,7 @@ class RunParts:
     state: TrainState
     total_steps: int
     lr_segments: list
+    budget: TimeBudget | None = None  # optim.time_budget_s: training stops when it is spent
 
 
 def thread_split(cfg: Config) -> tuple[int, int]:
@@ -83,7 +87,17 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
         raise UserError(str(e)) from None
     dcfg = DFlashConfig.from_configs(cfg.drafter, target)
     torch.manual_seed(cfg.pipeline.seed)
-    return DFlashDrafter(dcfg).to(device)
+    drafter = DFlashDrafter(dcfg)
+    if cfg.drafter.init == "target":
+        try:
+            init_from_target(drafter, target.layers, target.final_norm)
+        except ValueError as e:
+            raise UserError(
+                f"drafter.init=target: {e}. Use drafter.init=random, or drafter shapes equal "
+                "to the target's."
+            ) from None
+        log.info("drafter starts from the target's last %d layers", dcfg.num_layers)
+    return drafter.to(device)
 
 
 def replicate_target(cfg: Config, first) -> list:
@@ -153,7 +167,7 @@ def build_run(
 
     drafter = build_drafter(cfg, target, device)
     model = ddp_wrap(drafter) if ddp_wrap is not None else drafter
-    autocast = p.precision == "bf16" or (p.precision == "auto" and device.type == "cuda")
+    autocast = use_autocast(p.precision, device)
     feature_dtype = torch.bfloat16 if device.type == "cuda" else next(drafter.parameters()).dtype
     d = cfg.drafter
     objective = DFlashObjective(
@@ -166,7 +180,11 @@ def build_run(
         plan = ckpt.plan_resume(run_dir, rank=rank, world_size=world_size, seed=p.seed)
     total_steps = plan_total_steps(cfg, train_set.lengths, plan, rank, world_size)
     lr_segments = ckpt.lr_segments(plan, total_steps)
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments)
+    budget = None
+    if cfg.optim.time_budget_s > 0:
+        used = float(plan.meta.get("budget_used_s", 0.0)) if plan is not None else 0.0
+        budget = TimeBudget(cfg.optim.time_budget_s, used_s=used)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments, budget)
     guard = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, device)
     generator = torch.Generator(device=device)
     generator.manual_seed(p.seed * 1000003 + rank)
@@ -207,4 +225,5 @@ def build_run(
         state=state,
         total_steps=total_steps,
         lr_segments=lr_segments,
+        budget=budget,
     )

@@ -179,6 +179,7 @@ class Trainer:
             on_step_end=self.on_step_end,
             stop_vote=self.stop_vote if dist is not None else None,
             queries_per_row=cfg.drafter.num_anchors * cfg.drafter.block_size,
+            budget=parts.budget,
         )
         self.events: queue.Queue = queue.Queue()
         self.stop = threading.Event()
@@ -374,7 +375,9 @@ class Trainer:
 
     def stop_vote(self) -> bool:
         """torchrun: all ranks stop after the same optimizer step (a MAX vote of "signal")."""
-        return self.dist.agree_stop(self.signals.requested.is_set())
+        budget = self.parts.budget
+        spent = budget is not None and budget.spent()
+        return self.dist.agree_stop(self.signals.requested.is_set() or spent)
 
     def _publish(self, final: bool = False) -> None:
         snap = rank_snapshot(
@@ -426,6 +429,8 @@ class Trainer:
             return None
         extra_meta["total_steps"] = parts.total_steps  # the LR schedule (checkpoint.lr_segments)
         extra_meta["lr_segments"] = parts.lr_segments
+        if parts.budget is not None:
+            extra_meta["budget_used_s"] = parts.budget.used()
         plan = parts.resume
         if (
             plan is not None
@@ -455,7 +460,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ running
     def _supervise(self) -> str:
-        """Run the stages to their end; the reason ("finished", "max_steps", "signal")."""
+        """Run the stages to their end; the reason ("finished", "max_steps", "signal",
+        "time_budget")."""
         with self.signals:
             if self.start_steps >= self.parts.total_steps:
                 log.info(
@@ -471,7 +477,14 @@ class Trainer:
                     raise
                 # explain_failure returns `e` or an error whose __cause__ it set itself
                 raise self.dist.explain_failure(e)  # noqa: B904
-            return "signal" if self.loop.stopped_by_vote else outcome.reason
+            reason = "signal" if self.loop.stopped_by_vote else outcome.reason
+            budget = self.parts.budget
+            if budget is not None and budget.spent() and not self.signals.requested.is_set():
+                log.info(
+                    "time budget of %.0f s spent at step %d", budget.seconds, self.loop.state.step
+                )
+                reason = "time_budget"
+            return reason
 
     def _report_balance(self) -> str:
         bal = assess_balance([t.counters for t in self.threads])

@@ -13,6 +13,7 @@ import math
 import torch
 
 from dflash_trainer.config import OptimConfig
+from dflash_trainer.train.budget import TimeBudget, budget_lr_lambda
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -64,10 +65,20 @@ def segmented_lr_lambda(cfg: OptimConfig, segments: list):
 
 
 def build_scheduler(
-    opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, segments: list | None = None
+    opt: torch.optim.Optimizer,
+    cfg: OptimConfig,
+    total_steps: int,
+    segments: list | None = None,
+    budget: TimeBudget | None = None,
 ):
-    """`segments`: see segmented_lr_lambda (None = a fresh total_steps schedule)."""
-    fn = segmented_lr_lambda(cfg, segments) if segments else lr_lambda(cfg, total_steps)
+    """`segments`: see segmented_lr_lambda (None = a fresh total_steps schedule). `budget`: the
+    schedule follows wall time instead (train/budget.py)."""
+    if budget is not None:
+        fn = budget_lr_lambda(cfg, budget)
+    elif segments:
+        fn = segmented_lr_lambda(cfg, segments)
+    else:
+        fn = lr_lambda(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(opt, fn)
 
 

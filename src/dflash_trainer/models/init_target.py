@@ -1,0 +1,114 @@
+"""Start the drafter from the target instead of random weights (`drafter.init = target`).
+
+The drafter has the target's hidden size and, in the presets, its head layout. So:
+  - drafter layer i starts as a copy of target layer L - n + i (the target's last n layers:
+    attention and MLP weights and both layer norms; q_norm/k_norm too where the target has them,
+    e.g. Qwen3; a Llama target has none and they stay at 1);
+  - `norm` starts as the target's final norm (the drafter's output feeds the target's LM head);
+  - `fc` starts by passing the deepest tapped feature through (identity on its slice, zero
+    elsewhere) and `hidden_norm` as the input norm of the first copied layer, so the fused
+    context starts as what that layer would have read at those positions.
+The architecture and export format are the published ones: only the starting values differ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def _layer_pairs(d_layer: nn.Module, t_layer: nn.Module, i: int):
+    """(drafter tensor, target tensor, drafter tensor name) for one decoder layer."""
+    out = []
+    for name in _ATTN:
+        out.append(
+            (
+                getattr(d_layer.self_attn, name).weight,
+                getattr(getattr(t_layer.self_attn, name, None), "weight", None),
+                f"layers.{i}.self_attn.{name}.weight",
+            )
+        )
+    for name in ("q_norm", "k_norm"):
+        t = getattr(t_layer.self_attn, name, None)
+        if t is not None:
+            out.append(
+                (
+                    getattr(d_layer.self_attn, name).weight,
+                    t.weight,
+                    f"layers.{i}.self_attn.{name}.weight",
+                )
+            )
+    for name in _MLP:
+        out.append(
+            (
+                getattr(d_layer.mlp, name).weight,
+                getattr(getattr(t_layer.mlp, name, None), "weight", None),
+                f"layers.{i}.mlp.{name}.weight",
+            )
+        )
+    for name in _NORMS:
+        out.append(
+            (
+                getattr(d_layer, name).weight,
+                getattr(getattr(t_layer, name, None), "weight", None),
+                f"layers.{i}.{name}.weight",
+            )
+        )
+    return out
+
+
+def target_init_pairs(drafter: nn.Module, target_layers, final_norm: nn.Module | None):
+    """Every (drafter tensor, source tensor, name) the target init copies, checked: raises
+    ValueError naming the first tensor whose source is missing or has another shape."""
+    n, L = len(drafter.layers), len(target_layers)
+    if n > L:
+        raise ValueError(f"the drafter has {n} layers but the target only {L}")
+    pairs = []
+    for i in range(n):
+        src = L - n + i
+        for dst, s, name in _layer_pairs(drafter.layers[i], target_layers[src], i):
+            if s is None:
+                raise ValueError(
+                    f"{name}: target layer {src} has no such weight (not a "
+                    "Llama/Qwen-style decoder layer)"
+                )
+            if tuple(dst.shape) != tuple(s.shape):
+                raise ValueError(
+                    f"{name} has shape {tuple(dst.shape)}, target layer {src}'s is "
+                    f"{tuple(s.shape)}: set drafter.num_heads/num_kv_heads/head_dim/"
+                    "intermediate_size to the target's"
+                )
+            pairs.append((dst, s, name))
+    if final_norm is None or getattr(final_norm, "weight", None) is None:
+        raise ValueError("norm.weight: the target has no final norm to start from")
+    if tuple(final_norm.weight.shape) != tuple(drafter.norm.weight.shape):
+        raise ValueError(
+            f"norm.weight: the target's final norm has shape {tuple(final_norm.weight.shape)}"
+        )
+    pairs.append((drafter.norm.weight, final_norm.weight, "norm.weight"))
+    pairs.append(
+        (
+            drafter.hidden_norm.weight,
+            target_layers[L - n].input_layernorm.weight,
+            "hidden_norm.weight",
+        )
+    )
+    return pairs
+
+
+@torch.no_grad()
+def init_from_target(drafter: nn.Module, target_layers, final_norm: nn.Module | None) -> list[str]:
+    """Copy the target's last layers into the drafter (see the module docstring). Returns the
+    names of the tensors set."""
+    pairs = target_init_pairs(drafter, target_layers, final_norm)
+    for dst, s, _ in pairs:
+        dst.copy_(s.to(dst.dtype))
+    H = drafter.config.hidden_size
+    nf = drafter.config.num_features
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, (nf - 1) * H :].copy_(torch.eye(H, dtype=drafter.fc.weight.dtype))
+    return [name for _, _, name in pairs] + ["fc.weight"]
