@@ -277,8 +277,29 @@ class AsyncCheckpointWriter:
         return path
 
 
+def step_of(path: Path) -> int | None:
+    """The step number of a checkpoint directory `step-N` (None: not a complete one's name)."""
+    name = Path(path).name
+    if not name.startswith("step-") or ".tmp" in name:
+        return None
+    try:
+        return int(name[len("step-") :])
+    except ValueError:
+        return None
+
+
+def list_checkpoints(run_dir) -> list[Path]:
+    """The complete checkpoints under `run_dir/checkpoints`, oldest step first (by the step
+    number, not the name: `step-10000000` sorts after `step-9999999`)."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.glob("step-*") if step_of(p) is not None and p.is_dir()]
+    return sorted(done, key=step_of)
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and ".tmp" not in p.name)
+    done = [p for p in list_checkpoints(root.parent) if (p / "state.json").is_file()]
     for old in done[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("*.tmp-*"):
@@ -294,10 +315,25 @@ def latest_checkpoint(run_dir) -> Path | None:
         if (p / "state.json").is_file():
             return p
     # `latest` missing or pointing at a pruned dir: fall back to the newest complete one.
-    done = sorted(
-        p for p in root.glob("step-*") if (p / "state.json").is_file() and ".tmp" not in p.name
-    )
+    done = [p for p in list_checkpoints(run_dir) if (p / "state.json").is_file()]
     return done[-1] if done else None
+
+
+def checkpoint_dir(path) -> Path:
+    """`path` as a checkpoint directory: a checkpoint itself, a run directory or its
+    `checkpoints/` (then their latest checkpoint). Raises UserError naming what it expects."""
+    p = Path(path)
+    if (p / "state.json").is_file():
+        return p
+    run_dir = p.parent if p.name == "checkpoints" else p
+    found = latest_checkpoint(run_dir) if ckpt_root(run_dir).is_dir() else None
+    if found is not None:
+        return found
+    raise UserError(
+        f"{p} is not a checkpoint: expected a directory holding state.json, "
+        "drafter.safetensors and optimizer.pt (RUN_DIR/checkpoints/step-N), or a run "
+        "directory with checkpoints."
+    )
 
 
 def load_checkpoint(
@@ -419,9 +455,12 @@ def read_meta(path: Path) -> dict:
         ) from e
 
 
-def plan_resume(run_dir, *, rank: int, world_size: int, seed: int) -> ResumePlan | None:
-    """Where this rank resumes in the latest checkpoint of `run_dir` (None: none there)."""
-    path = latest_checkpoint(run_dir)
+def plan_resume(
+    run_dir, *, rank: int, world_size: int, seed: int, checkpoint=None
+) -> ResumePlan | None:
+    """Where this rank resumes in the latest checkpoint of `run_dir`, or in the checkpoint
+    directory `checkpoint` when given (None: none there)."""
+    path = checkpoint_dir(checkpoint) if checkpoint else latest_checkpoint(run_dir)
     if path is None:
         return None
     meta = read_meta(path)

@@ -253,7 +253,16 @@ class CheckpointConfig:
         0, "checkpoint every N optimizer steps (0 = only at the end/on signal)", unit="steps", min=0
     )
     keep_last: int = _f(3, "checkpoints kept (older ones deleted)", min=1)
-    resume: bool = _f(False, "resume from run_dir/checkpoints/latest if it exists")
+    resume: bool = _f(
+        False,
+        "continue the run in run_dir from checkpoints/latest (an earlier attempt there that "
+        "never wrote a checkpoint is moved aside to RUN_DIR.old-<timestamp>)",
+    )
+    resume_from: str = _f(
+        "",
+        "start from this checkpoint directory (RUN_DIR/checkpoints/step-N, or a run directory: "
+        "its latest), into run_dir; also --resume-from PATH",
+    )
     async_write: bool = _f(
         True,
         "write periodic checkpoints on a background thread from a host "
@@ -308,7 +317,16 @@ class EvalConfig:
 
 @dataclass(kw_only=True, slots=True)
 class Config:
-    run_dir: str = _f("runs/default", "where checkpoints, exports, logs and metrics go")
+    run_dir: str = _f(
+        "runs/default",
+        "where checkpoints, exports, logs and metrics go: one run per directory (a new run into "
+        "one holding an earlier run is refused; see checkpoint.resume and overwrite)",
+    )
+    overwrite: bool = _f(
+        False,
+        "a new run into a run_dir that holds an earlier run first moves that run aside to "
+        "RUN_DIR.old-<timestamp> (nothing is deleted); also --overwrite",
+    )
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -484,6 +502,11 @@ def validate(cfg: Config) -> Config:
             f"drafter.block_size ({d.block_size}); a drafter trained on short "
             "blocks does not generalise to longer ones."
         )
+    if cfg.overwrite and cfg.checkpoint.resume:
+        raise ConfigError(
+            "overwrite=true moves the run in run_dir aside and starts a new one; "
+            "checkpoint.resume=true continues it: choose one."
+        )
     if cfg.batching.max_tokens < cfg.batching.pad_multiple:
         raise ConfigError("batching.max_tokens must be >= batching.pad_multiple.")
     if cfg.pipeline.fault and cfg.pipeline.fault.split(":")[0].split("@")[0] not in {
@@ -499,8 +522,16 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+# Short flags users type, and the key each one sets.
+ALIASES = {"resume_from": "checkpoint.resume_from"}
+_BOOL_WORDS = {"true", "1", "yes", "on", "false", "0", "no", "off"}
+
+
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """['--a.b=1', '--c.d', '2'] -> [('a.b','1'), ('c.d','2')]; anything else is an error."""
+    """['--a.b=1', '--c.d', '2'] -> [('a.b','1'), ('c.d','2')]; anything else is an error.
+    A boolean field given alone (`--overwrite`) is true; `--resume-from PATH` is
+    `--checkpoint.resume_from=PATH` (ALIASES)."""
+    keys = {k: tp for k, _, tp in iter_fields()}
     out, i = [], 0
     while i < len(args):
         a = args[i]
@@ -509,20 +540,24 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
                 f"unexpected argument '{a}'; overrides look like --section.field=VALUE."
             )
         body = a[2:]
-        if "=" in body:
-            k, v = body.split("=", 1)
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"flag '{a}' needs a value: {a}=VALUE.")
-            k, v = body, args[i + 1]
-            i += 1
+        k, v = body.split("=", 1) if "=" in body else (body, None)
         k = k.replace("-", "_")
-        if k not in set(all_keys()):
+        k = ALIASES.get(k, k)
+        if k not in keys:
             raise ConfigError(
                 f"unknown flag '--{k}'."
-                + _suggest(k, all_keys()).replace("'", "'--", 1)
+                + _suggest(k, list(keys)).replace("'", "'--", 1)
                 + " See --help for every field."
             )
+        if v is None:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if keys[k] is bool and (nxt is None or nxt.lower() not in _BOOL_WORDS):
+                v = "true"
+            elif nxt is None:
+                raise ConfigError(f"flag '{a}' needs a value: {a}=VALUE.")
+            else:
+                v = nxt
+                i += 1
         out.append((k, v))
         i += 1
     return out

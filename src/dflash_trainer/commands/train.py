@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 from dflash_trainer.config import Config
+from dflash_trainer.errors import UserError
 from dflash_trainer.run import train
 from dflash_trainer.run.distributed import train_distributed
+from dflash_trainer.run.rundir import claim
 from dflash_trainer.run.trainer import setup_run_logging
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,18 @@ def run(cfg: Config, args) -> int:
         # Convenience: relaunch this very command under torchrun, one process per cell.
         return launch_torchrun(nproc, sys.argv[1:])
     rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.overwrite and cfg.checkpoint.resume_from:
+        if Path(cfg.checkpoint.resume_from).resolve().is_relative_to(Path(cfg.run_dir).resolve()):
+            raise UserError(
+                "under torchrun, --resume-from with --overwrite needs a checkpoint outside "
+                "run_dir (rank 0 moves run_dir aside); copy it out first."
+            )
+    if rank == 0:  # one run per run_dir: refuse, resume or move aside before anything is written
+        claimed = claim(cfg)
+        if claimed.message:
+            print(f"dflash-trainer: {claimed.message}", flush=True)
+        if claimed.resume_from is not None:
+            cfg.checkpoint.resume_from = str(claimed.resume_from)
     handler = setup_run_logging(
         Path(cfg.run_dir), "train.log" if rank == 0 else f"train.rank{rank}.log"
     )

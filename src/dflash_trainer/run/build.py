@@ -22,6 +22,7 @@ from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.init_target import init_from_target
 from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.run import rundir
 from dflash_trainer.train.budget import TimeBudget
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
@@ -159,6 +160,14 @@ def build_run(
     ddp_wrap=None,
 ) -> RunParts:
     run_dir = Path(cfg.run_dir)
+    # One run per directory (run/rundir.py): rank 0 refuses, resumes or moves an earlier run
+    # aside before this run writes anything there.
+    if rank == 0:
+        resume_from = rundir.claim(cfg).resume_from
+    else:
+        resume_from = (
+            ckpt.checkpoint_dir(cfg.checkpoint.resume_from) if cfg.checkpoint.resume_from else None
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.pipeline.seed)
     p = cfg.pipeline
@@ -176,8 +185,10 @@ def build_run(
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     # This rank's position in the checkpoint, known before the LR schedule is built.
     plan = None
-    if cfg.checkpoint.resume:
-        plan = ckpt.plan_resume(run_dir, rank=rank, world_size=world_size, seed=p.seed)
+    if cfg.checkpoint.resume or resume_from is not None:
+        plan = ckpt.plan_resume(
+            run_dir, rank=rank, world_size=world_size, seed=p.seed, checkpoint=resume_from
+        )
     total_steps = plan_total_steps(cfg, train_set.lengths, plan, rank, world_size)
     lr_segments = ckpt.lr_segments(plan, total_steps)
     budget = None
