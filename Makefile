@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup test lint format demo bench gpu-check clean
+.PHONY: setup test lint format demo bench bench-quality gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/dflash-trainer bench
+
+# Held-out tau after fixed training wall times, per recipe (about an hour on 2 cores).
+bench-quality: $(STAMP)
+	$(PY) bench/bench_quality.py --json bench/out/quality.json
 
 gpu-check: $(STAMP)
 	bash bench/gpu_check.sh

@@ -75,3 +75,72 @@ def test_export_loads_in_the_reference_with_no_missing_or_unexpected_tensors(tmp
     sd = ref.state_dict()
     for name, p in d.state_dict().items():
         torch.testing.assert_close(sd[name], p, msg=name)
+
+
+# ------------------------------------------------------------------ drafter.init_from (warm start)
+
+
+def _exported(tmp_path, target, **over):
+    d = _build(tmp_path / "a", target, **{"drafter.init": "random", **over})
+    with torch.no_grad():  # trained-looking weights, not the init values
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return d, export_drafter(d, tmp_path / "published")
+
+
+def test_warm_start_round_trip_identical_weights_and_first_loss(tmp_path):
+    from dflash_trainer.train.objective import DFlashObjective
+
+    target = tiny_target("llama", layers=4)
+    src, out = _exported(tmp_path, target)
+    # another block size for training is allowed; the mask token comes from the export
+    d = _build(
+        tmp_path / "b",
+        target,
+        **{"drafter.init_from": str(out), "drafter.block_size": 8, "drafter.mask_token_id": 5},
+    )
+    assert d.config.block_size == 8 and d.config.mask_token_id == src.config.mask_token_id
+    d = _build(tmp_path / "b4", target, **{"drafter.init_from": str(out)})  # its block size
+    for (n, a), (_, b) in zip(src.state_dict().items(), d.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (2, 40), generator=g)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[:, 10:] = True
+    feats = torch.randn(2, 40, d.config.num_features * 64, generator=g)
+    losses = []
+    for m in (src, d):
+        obj = DFlashObjective(4, 6, mask_token_id=m.config.mask_token_id)
+        out_ = obj(
+            m,
+            target.embed_weight,
+            target.lm_head,
+            feats,
+            ids,
+            mask,
+            torch.Generator().manual_seed(1),
+        )
+        losses.append(out_.loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+def test_warm_start_refuses_what_does_not_fit(tmp_path):
+    target = tiny_target("llama", layers=4)
+    _, out = _exported(tmp_path, target)
+    with pytest.raises(UserError, match="has 2 layers but drafter.num_layers=1"):
+        _build(tmp_path / "c", target, **{"drafter.init_from": str(out), "drafter.num_layers": 1})
+    other = tiny_target("llama", layers=6)  # taps [1, 4]: not the export's [1, 2]
+    with pytest.raises(UserError, match=r"trained on target layers \[1, 2\].*target.taps"):
+        _build(tmp_path / "d", other, **{"drafter.init_from": str(out)})
+
+
+def test_warm_start_names_the_first_bad_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target("llama", layers=4)
+    _, out = _exported(tmp_path, target)
+    sd = load_file(str(out / "model.safetensors"))
+    sd["layers.1.mlp.up_proj.weight"] = sd["layers.1.mlp.up_proj.weight"][:, :-1].contiguous()
+    save_file(sd, str(out / "model.safetensors"))
+    with pytest.raises(UserError, match=r"layers\.1\.mlp\.up_proj\.weight"):
+        _build(tmp_path / "e", target, **{"drafter.init_from": str(out)})

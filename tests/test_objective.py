@@ -313,8 +313,11 @@ def test_hand_written_linear_ce_matches_autograd(autocast):
         )
         ref_num = (ce.view_as(wm) * wm).sum()
         (ref_grad,) = torch.autograd.grad(ref_num, hh)
-        num, correct, grad_h = _linear_ce(h, weight, labels, wm, need_grad=True)
+        num, den, correct, grad_h = _linear_ce(
+            h, weight, labels, wm > 0, lambda ce, valid: wm, need_grad=True
+        )
     tol = dict(atol=2e-2, rtol=2e-2) if autocast else {}
+    torch.testing.assert_close(den, wm.sum())
     torch.testing.assert_close(num, ref_num.detach(), **tol)
     torch.testing.assert_close(grad_h, ref_grad, **tol)
     assert torch.equal(correct, logits.argmax(dim=-1) == labels)
@@ -332,3 +335,87 @@ def test_auto_chunk_is_sized_by_vocab_and_rows():
     # 151,936 vocabulary, 8 rows: 29 blocks = 3,480 rows per chunk (CPU budget: 1 block).
     assert O.chunk_blocks_for(151936, "cuda", 8, 15) == 29
     assert O.chunk_blocks_for(151936, "cpu", 8, 15) == 1
+
+
+# ---------------------------------------------------------------------------------- D-PACE, noise
+
+
+def test_dpace_weights_hand_computed():
+    from dflash_trainer.train.objective import dpace_weights
+
+    q = torch.tensor([[0.8, 0.6, 0.4]])
+    ce = -torch.log(q)
+    # alpha 0.5: q~ = 0.9, 0.8, 0.7; reach = 0.9, 0.72, 0.504; w_j = sum of reach from j on
+    w = dpace_weights(ce, torch.ones(1, 3), alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor([[2.124, 1.224, 0.504]]))
+    # an invalid last slot passes the product through and gets weight 0
+    w = dpace_weights(ce, torch.tensor([[1.0, 1.0, 0.0]]), alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.62, 0.72, 0.0]]))
+    # alpha 1: every q~ is 1, w_j = valid slots from j on (uniform acceptance)
+    w = dpace_weights(ce, torch.ones(1, 3), alpha=1.0)
+    torch.testing.assert_close(w, torch.tensor([[3.0, 2.0, 1.0]]))
+    # the floor: a slot the drafter gets badly wrong still leaves alpha of the product
+    w = dpace_weights(torch.tensor([[50.0, 0.0]]), torch.ones(1, 2), alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.5]]))
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        DFlashObjective(BS, 4, weighting="dpace", dpace_alpha=0.0)
+
+
+def _dpace_reference(obj, drafter, embed, lm_head, feats, ids, lm, g_seed):
+    """Dense D-PACE: full logits, per-slot CE, detached weights from it, weighted mean."""
+    from dflash_trainer.train.objective import dpace_weights
+
+    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(g_seed))
+    blocks = obj.build_blocks(ids, anchors, valid)
+    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
+    labels, label_valid = obj.build_labels(ids, lm, anchors, valid)
+    B, N, bs = labels.shape
+    logits = lm_head(hidden.view(B, N, bs, -1)[:, :, 1:])
+    ce = F.cross_entropy(logits.flatten(0, 2), labels[:, :, 1:].flatten(), reduction="none")
+    ce = ce.view(B, N, bs - 1)
+    w = dpace_weights(ce.detach(), label_valid[:, :, 1:], obj.dpace_alpha)
+    return (w * ce).sum() / w.sum()
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 0])
+def test_dpace_loss_and_grads_match_dense_reference(chunk):
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(
+        BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=chunk, weighting="dpace"
+    )
+    out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5))
+    ref = _dpace_reference(obj, drafter, embed, lm_head, feats, ids, lm, 5)
+    torch.testing.assert_close(out.loss, ref)
+    params = list(drafter.parameters())
+    for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
+        torch.testing.assert_close(a, b)
+    # and it is not the decay objective under another name
+    decay = DFlashObjective(BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=chunk)
+    other = decay(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5))
+    assert not torch.allclose(other.loss, out.loss)
+
+
+def test_feature_noise_is_relative_to_each_tap_and_training_only():
+    from dflash_trainer.train.objective import add_feature_noise
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 400, 2, 16, generator=g)
+    base[:, :, 1] *= 100.0  # a deep tap at a much larger scale
+    feats = base.reshape(2, 400, 32)
+    noisy = add_feature_noise(feats, 0.05, 2, torch.Generator().manual_seed(1))
+    delta = (noisy - feats).view(2, 400, 2, 16)
+    rms = base.pow(2).mean(-1, keepdim=True).sqrt()
+    ratio = (delta / rms).std(dim=(0, 1, 3))  # per tap: noise std relative to the tap's rms
+    torch.testing.assert_close(ratio, torch.full((2,), 0.05), atol=4e-3, rtol=0)
+    # the objective adds it only when asked, reproducibly from the step's generator
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats2 = _data()
+    plain = DFlashObjective(BS, 6, mask_token_id=MASK)
+    noisy_obj = DFlashObjective(BS, 6, mask_token_id=MASK, feature_noise=0.5)
+    runs = [
+        o(drafter, embed, lm_head, feats2, ids, lm, torch.Generator().manual_seed(3)).loss
+        for o in (plain, noisy_obj, noisy_obj)
+    ]
+    assert not torch.allclose(runs[0], runs[1])
+    torch.testing.assert_close(runs[1], runs[2])

@@ -9,6 +9,7 @@ import contextlib
 import threading
 from collections import Counter
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,7 +54,12 @@ class CountHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "objective",
+    [{}, {"drafter.weighting": "dpace", "drafter.feature_noise": 0.05}],
+    ids=["decay", "dpace+noise"],
+)
+def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch, objective):
     hits: list = []
     lock = threading.Lock()
 
@@ -67,7 +73,13 @@ def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Stage, "thread_context", staticmethod(ctx))
     cfg = tiny_config(
-        tmp_path, **{"metrics.log_every_s": 0.05, "optim.epochs": 3, "checkpoint.every_steps": 0}
+        tmp_path,
+        **{
+            "metrics.log_every_s": 0.05,
+            "optim.epochs": 3,
+            "checkpoint.every_steps": 0,
+            **objective,
+        },
     )
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
     assert res.steps > 10

@@ -170,6 +170,28 @@ class DrafterConfig:
         min=0,
     )
     init_std: float = _f(0.02, "std of the random init of linear weights", min=0.0)
+    init_from: str = _f(
+        "",
+        "start from a published-format drafter directory (config.json + model.safetensors, "
+        "e.g. z-lab's): fine-tuning. Its layer count, head layout, tapped layers and mask token "
+        "are kept and checked against the target and these settings; block_size may differ. "
+        "Wins over drafter.init; a checkpoint resume wins over it",
+    )
+    weighting: str = _f(
+        "decay",
+        "per-slot loss weights: decay = exp(-(k-1)/gamma) (the paper); dpace = D-PACE, from "
+        "the drafter's own detached confidence in each label (arXiv 2605.18810)",
+        choices=("decay", "dpace"),
+    )
+    dpace_alpha: float = _f(
+        0.5, "D-PACE confidence floor: q~ = (1 - alpha) q + alpha", min=0.01, max=1.0
+    )
+    feature_noise: float = _f(
+        0.0,
+        "training only: Gaussian noise on the tapped target features, std relative to each "
+        "tapped vector's RMS (e.g. 0.05); 0 = off",
+        min=0.0,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,4 +1,5 @@
-"""Start the drafter from the target instead of random weights (`drafter.init = target`).
+"""Where a drafter starts: from the target (`drafter.init = target`) or from a published
+drafter (`drafter.init_from = DIR`, fine-tuning).
 
 The drafter has the target's hidden size and, in the presets, its head layout. So:
   - drafter layer i starts as a copy of target layer L - n + i (the target's last n layers:
@@ -13,8 +14,17 @@ The architecture and export format are the published ones: only the starting val
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 from torch import nn
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.models.drafter import DFlashDrafter
+from dflash_trainer.models.export import load_drafter
+
+log = logging.getLogger(__name__)
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -112,3 +122,46 @@ def init_from_target(drafter: nn.Module, target_layers, final_norm: nn.Module | 
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, (nf - 1) * H :].copy_(torch.eye(H, dtype=drafter.fc.weight.dtype))
     return [name for _, _, name in pairs] + ["fc.weight"]
+
+
+def warm_start(path, drafter_cfg, target) -> DFlashDrafter:
+    """A drafter that starts from the published-format export at `path` (fine-tuning).
+
+    The export's architecture is kept (layers, heads, MLP width, tapped layers, mask token,
+    RoPE base): those are what its weights mean. Checked against the target and the run's
+    drafter settings, with a message naming what differs. Only the training block size and
+    attention implementation come from the run (block size does not change any tensor).
+    """
+    pub = load_drafter(path, "cpu")  # strict: every tensor present, shapes checked, finite
+    pc = pub.config
+    where = f"drafter.init_from={path}"
+    if pc.num_layers != drafter_cfg.num_layers:
+        raise UserError(
+            f"{where} has {pc.num_layers} layers but drafter.num_layers={drafter_cfg.num_layers}; "
+            f"set drafter.num_layers={pc.num_layers} (a drafter cannot start from one with "
+            "another layer count)."
+        )
+    if list(pc.target_layer_ids) != list(target.layer_ids):
+        raise UserError(
+            f"{where} was trained on target layers {list(pc.target_layer_ids)}, but the target "
+            f"taps {list(target.layer_ids)}; set target.taps={list(pc.target_layer_ids)} or use "
+            "the target it was trained for."
+        )
+    if pc.hidden_size != int(target.hidden_size) or pc.vocab_size != int(target.vocab_size):
+        raise UserError(
+            f"{where} has hidden size {pc.hidden_size} and vocabulary {pc.vocab_size}; the target "
+            f"has {target.hidden_size} and {target.vocab_size}: it was trained for another target."
+        )
+    for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+        ours, theirs = getattr(drafter_cfg, name), getattr(pc, name)
+        if ours != theirs:
+            log.warning(
+                "%s: using its %s=%s (drafter.%s=%s is ignored)", where, name, theirs, name, ours
+            )
+    cfg = dataclasses.replace(
+        pc, block_size=drafter_cfg.block_size, attention=drafter_cfg.attention
+    )
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(pub.state_dict(), strict=True)
+    log.info("drafter starts from %s (mask token %d)", path, cfg.mask_token_id)
+    return drafter

@@ -19,7 +19,7 @@ from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.attention import resolve_impl
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
-from dflash_trainer.models.init_target import init_from_target
+from dflash_trainer.models.init_target import init_from_target, warm_start
 from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.run import rundir
@@ -86,6 +86,8 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
         resolve_impl(cfg.drafter.attention, device)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if cfg.drafter.init_from:
+        return warm_start(cfg.drafter.init_from, cfg.drafter, target).to(device)
     dcfg = DFlashConfig.from_configs(cfg.drafter, target)
     torch.manual_seed(cfg.pipeline.seed)
     drafter = DFlashDrafter(dcfg)
@@ -180,7 +182,14 @@ def build_run(
     feature_dtype = torch.bfloat16 if device.type == "cuda" else next(drafter.parameters()).dtype
     d = cfg.drafter
     objective = DFlashObjective(
-        d.block_size, d.num_anchors, d.gamma, drafter.config.mask_token_id, d.loss_chunk_blocks
+        d.block_size,
+        d.num_anchors,
+        d.gamma,
+        drafter.config.mask_token_id,
+        d.loss_chunk_blocks,
+        weighting=d.weighting,
+        dpace_alpha=d.dpace_alpha,
+        feature_noise=d.feature_noise,
     )
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     # This rank's position in the checkpoint, known before the LR schedule is built.

@@ -53,9 +53,19 @@ class DFlashObjective:
         mask_token_id: int = 0,
         chunk_blocks: int = 0,
         attention: str | None = None,
+        weighting: str = "decay",
+        dpace_alpha: float = 0.5,
+        feature_noise: float = 0.0,
     ):
         if block_size < 2:
             raise ValueError("block_size must be >= 2")
+        if weighting not in ("decay", "dpace"):
+            raise ValueError(f"weighting must be 'decay' or 'dpace', got {weighting!r}")
+        if not 0.0 < dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {dpace_alpha}")
+        self.weighting = weighting
+        self.dpace_alpha = float(dpace_alpha)
+        self.feature_noise = float(feature_noise)
         self.block_size = block_size
         self.num_anchors = num_anchors
         self.gamma = float(gamma) if gamma and gamma > 0 else default_gamma(block_size)
@@ -141,6 +151,9 @@ class DFlashObjective:
         B, S = input_ids.shape
         bs, N = self.block_size, self.num_anchors
         anchors, block_valid = self.sample_anchors(loss_mask, generator)
+        if self.feature_noise > 0:
+            taps = getattr(drafter, "module", drafter).config.num_features  # DDP wraps it
+            features = add_feature_noise(features, self.feature_noise, taps, generator)
         block_ids = self.build_blocks(input_ids, anchors, block_valid)
         block_embeds = F.embedding(block_ids.reshape(B, N * bs), embed_weight.detach())
         hidden = (
@@ -163,19 +176,23 @@ class DFlashObjective:
                 "returns gradients for the drafter hidden states only"
             )
         h = hidden.view(B, N, bs, -1)[:, :, 1:]
-        w = self.slot_weights(hidden.device)  # [bs]
-        wm = w * label_valid.float()  # [B,N,bs]
+        valid = label_valid[:, :, 1:].float()  # [B,N,bs-1]
+        if self.weighting == "dpace":
+            weigh = _DPaceWeights(self.dpace_alpha)
+        else:
+            weigh = _FixedWeights(self.slot_weights(hidden.device)[1:] * valid)
         need_grad = torch.is_grad_enabled() and hidden.requires_grad
         chunk = self.chunk_blocks or _auto_chunk_blocks(lm_head, B, bs - 1)
-        num_parts, correct_parts = [], []
+        num_parts, den_parts, correct_parts = [], [], []
         for c0 in range(0, N, chunk):
             c1 = min(N, c0 + chunk)
-            args = (h[:, c0:c1], lm_head, labels[:, c0:c1, 1:], wm[:, c0:c1, 1:])
-            num_c, corr_c = _ChunkCE.apply(*args) if need_grad else _chunk_ce(*args)[:2]
+            args = (h[:, c0:c1], lm_head, labels[:, c0:c1, 1:], valid[:, c0:c1], weigh.at(c0, c1))
+            num_c, den_c, corr_c = _ChunkCE.apply(*args) if need_grad else _chunk_ce(*args)[:3]
             num_parts.append(num_c)
+            den_parts.append(den_c)
             correct_parts.append(corr_c)
         num = torch.stack(num_parts).sum()
-        den = wm.sum().clamp_min(1e-6)
+        den = torch.stack(den_parts).sum().clamp_min(1e-6)
         loss = num / den
         correct = torch.cat(correct_parts, dim=1)  # [B,N,bs-1]
         correct = F.pad(correct, (1, 0), value=False)  # slot 0: given
@@ -228,24 +245,26 @@ def chunk_blocks_for(vocab: int, device_type: str, rows: int, slots: int) -> int
     return max(1, budget // (rows * slots * vocab))
 
 
-def _chunk_ce(h, lm_head, labels, wm, need_grad=False):
-    """h [B,n,k,H] -> (sum(w*mask*CE) 0-d, top-1 correct [B,n,k] bool, d sum / d h or None).
-
-    The chunk's logits [B,n,k,V] exist only inside this call."""
+def _chunk_ce(h, lm_head, labels, valid, weigh, need_grad=False):
+    """h [B,n,k,H] -> (sum(w*CE) 0-d, sum(w) 0-d, top-1 correct [B,n,k] bool, d sum / d h or
+    None). `weigh(ce, valid)` gives the chunk's loss weights [B,n,k] (detached; 0 where the label
+    is not valid) from its per-slot CE. The chunk's logits [B,n,k,V] exist only inside this call."""
     if isinstance(lm_head, nn.Linear) and lm_head.bias is None:
-        return _linear_ce(h, lm_head.weight, labels, wm, need_grad)
+        return _linear_ce(h, lm_head.weight, labels, valid, weigh, need_grad)
     with torch.enable_grad() if need_grad else torch.no_grad():  # any frozen head module
         hh = h.detach().requires_grad_(need_grad)
         logits = lm_head(hh).float()
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
-        num = (ce.view_as(wm) * wm).sum()
+        ce = ce.view_as(valid)
+        w = weigh(ce.detach(), valid)
+        num = (ce * w).sum()
         correct = logits.argmax(dim=-1) == labels
         grad_h = torch.autograd.grad(num, hh)[0] if need_grad else None
-    return num.detach(), correct, grad_h
+    return num.detach(), w.sum(), correct, grad_h
 
 
 @torch.no_grad()
-def _linear_ce(h, weight, labels, wm, need_grad):
+def _linear_ce(h, weight, labels, valid, weigh, need_grad):
     """Same as the generic path for a bias-free Linear head, with the CE gradient written by hand
     (softmax - onehot, weighted) into one fp32 [rows, V] buffer in place: one buffer at the peak
     instead of four (logits, log_softmax, its grad, the logits grad), and six passes over it
@@ -254,7 +273,7 @@ def _linear_ce(h, weight, labels, wm, need_grad):
     the cast back for the grad matmul.
     """
     x = h.reshape(-1, h.shape[-1])
-    lab, w = labels.reshape(-1, 1), wm.reshape(-1, 1)
+    lab = labels.reshape(-1, 1)
     logits = F.linear(x, weight)  # F.linear follows autocast
     mx, arg = logits.max(dim=-1, keepdim=True)  # one pass for both
     correct = (arg == lab).view_as(labels)
@@ -272,7 +291,9 @@ def _linear_ce(h, weight, labels, wm, need_grad):
     z.exp_()
     se = z.sum(dim=-1, keepdim=True)
     lse = se.log().add_(mx)
-    num = ((lse - target) * w).sum()
+    ce = lse - target  # [rows, 1]
+    w = weigh(ce.view_as(valid), valid).reshape(-1, 1)
+    num = (ce * w).sum()
     grad_h = None
     if need_grad:
         g = z.mul_(w / se)  # w * softmax, in place
@@ -283,7 +304,58 @@ def _linear_ce(h, weight, labels, wm, need_grad):
             else torch.get_autocast_dtype(x.device.type)
         )
         grad_h = torch.matmul(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
-    return num, correct, grad_h
+    return num, w.sum(), correct, grad_h
+
+
+class _FixedWeights:
+    """exp(-(k-1)/gamma) per slot, times the label mask: known before any logits."""
+
+    def __init__(self, wm: torch.Tensor):
+        self.wm = wm  # [B,N,bs-1]
+
+    def at(self, c0: int, c1: int):
+        wm = self.wm[:, c0:c1]
+        return lambda ce, valid: wm
+
+
+class _DPaceWeights:
+    """D-PACE: weights from the drafter's own detached confidence in each label (dpace_weights)."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+
+    def at(self, c0: int, c1: int):
+        return lambda ce, valid: dpace_weights(ce, valid, self.alpha)
+
+
+@torch.no_grad()
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE position weights (arXiv 2605.18810, Eq. 7-8), detached, [..., k] over slots 1..k.
+
+    q_i = exp(-CE_i) is the drafter's probability of label i; the floor q~_i = (1 - alpha) q_i
+    + alpha keeps a slot the drafter still gets wrong from silencing every slot after it;
+    w_j = sum_{m >= j} prod_{i <= m} q~_i is the chance that slots 1..j are all accepted times
+    what acceptance at j is worth (the expected accepted length from j on). Slots without a
+    valid label pass the product through (q~ = 1) and get weight 0.
+    """
+    v = valid.to(torch.float32)
+    q = torch.exp(-ce.to(torch.float32))
+    qs = torch.where(v > 0, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+    reach = torch.cumprod(qs, dim=-1) * v
+    return reach.flip(-1).cumsum(-1).flip(-1) * v
+
+
+def add_feature_noise(
+    features: torch.Tensor, rel_std: float, num_taps: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """features + N(0, (rel_std * rms)^2), rms of each tapped vector (so the noise is relative
+    to each tap's own scale, which differs by orders of magnitude between shallow and deep
+    layers). Training only: evaluation and decoding never call it."""
+    B, S, D = features.shape
+    x = features.view(B, S, num_taps, D // num_taps)
+    rms = x.float().pow(2).mean(dim=-1, keepdim=True).sqrt()
+    noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=torch.float32)
+    return (x.float() + noise * (rel_std * rms)).to(features.dtype).view(B, S, D)
 
 
 class _ChunkCE(torch.autograd.Function):
@@ -294,17 +366,18 @@ class _ChunkCE(torch.autograd.Function):
     LM-head matmul runs twice per chunk (logits, grad input) instead of three times (logits,
     recompute, grad input). The LM head is the largest matmul of the step (V >> H), so that is
     about a quarter of the step on CPU. What is kept for backward is d num / d h, the size of h.
-    Valid because the loss is linear in each chunk's num (loss = sum(num) / const).
+    Valid because the loss is linear in each chunk's num (loss = sum(num) / den, with den a sum
+    of detached weights).
     """
 
     @staticmethod
-    def forward(ctx, h, lm_head, labels, wm):
-        num, correct, grad_h = _chunk_ce(h, lm_head, labels, wm, need_grad=True)
+    def forward(ctx, h, lm_head, labels, valid, weigh):
+        num, den, correct, grad_h = _chunk_ce(h, lm_head, labels, valid, weigh, need_grad=True)
         ctx.save_for_backward(grad_h)
-        ctx.mark_non_differentiable(correct)
-        return num, correct
+        ctx.mark_non_differentiable(den, correct)
+        return num, den, correct
 
     @staticmethod
-    def backward(ctx, g_num, g_correct):
+    def backward(ctx, g_num, g_den, g_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * g_num.to(grad_h.dtype), None, None, None
+        return grad_h * g_num.to(grad_h.dtype), None, None, None, None

@@ -1,0 +1,127 @@
+"""Drafter quality against training time: held-out tau after fixed training wall times.
+
+For each recipe and each budget, train on the embedded default (the target's own answers to
+MT-Bench + HumanEval, cached by `make demo` or the first run here) with `optim.time_budget_s`,
+then measure acceptance length on every held-out prompt (greedy, block 16, fp32 decoding) and
+the training-time estimate `eval/tau_sim` where the run logs it.
+
+Recipes: the default (preset smollm2-cpu as shipped) and the default without each lever:
+  random-init   drafter.init=random instead of target
+  bf16          target.dtype=bfloat16 + pipeline.precision=bf16 (auto picks fp32 where bf16
+                matmuls are emulated, bf16 where they are native)
+  one-epoch     the recipe before the time budget: one pass over the data, no budget
+
+Run: .venv/bin/python bench/bench_quality.py [--budgets 120,300,600,900] [--recipes a,b]
+     [--max-new-tokens 64] [--json OUT]
+Each (recipe, budget) cell costs its budget plus an evaluation: the full table at the default
+budgets takes about an hour on 2 cores (`make bench-quality`); --quick runs one short budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.config import load_config, set_value
+from dflash_trainer.data.prepare import prepare_data
+from dflash_trainer.eval.specdecode import quick_acceptance
+from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.target import TargetModel
+from dflash_trainer.run import train
+
+RECIPES = {
+    "default": {},
+    "random-init": {"drafter.init": "random"},
+    "bf16": {"target.dtype": "bfloat16", "pipeline.precision": "bf16"},
+    "one-epoch": {"optim.time_budget_s": "0", "optim.epochs": "1"},
+}
+
+
+def heldout_prompts(heldout) -> list[list[int]]:
+    """Prompt ids of every held-out example: the tokens before its first supervised one."""
+    out = []
+    for ids, mask in zip(heldout.input_ids, heldout.loss_mask, strict=True):
+        first = int(mask.argmax()) if mask.any() else 0
+        if first > 0:
+            out.append([int(t) for t in ids[:first]])
+    return out
+
+
+def run_cell(recipe: str, budget: float, args, root: Path) -> dict:
+    cfg = load_config(preset="smollm2-cpu")
+    cfg.run_dir = str(root / f"{recipe}-{int(budget)}")
+    set_value(cfg, "optim.time_budget_s", str(budget))
+    for k, v in RECIPES[recipe].items():
+        set_value(cfg, k, v)
+    cfg.metrics.wandb, cfg.metrics.tensorboard, cfg.metrics.console = "off", False, False
+    target = TargetModel.load(cfg.target, "cpu")
+    train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
+    t0 = time.monotonic()
+    res = train(cfg, target=target, train_set=train_set, heldout=heldout)
+    train_s = time.monotonic() - t0
+    # Decode in fp32 whatever the training dtype: exact, and the fast path on CPUs.
+    target.model.float()
+    drafter = load_drafter(res.export_dir, "cpu").float()
+    prompts = heldout_prompts(heldout)
+    t1 = time.monotonic()
+    q = quick_acceptance(
+        target, drafter, prompts, args.max_new_tokens, cfg.eval.block_size or cfg.drafter.block_size
+    )
+    cell = {
+        "recipe": recipe,
+        "budget_s": budget,
+        "steps": res.steps,
+        "train_s": round(train_s, 1),
+        "tokens": res.tokens,
+        "tau": round(q["tau"], 4),
+        "prompts": len(prompts),
+        "eval_s": round(time.monotonic() - t1, 1),
+    }
+    sim = res.metrics.get("eval/tau_sim")
+    if sim is not None:
+        cell["tau_sim"] = round(float(sim), 4)
+    print(json.dumps(cell), file=sys.stderr, flush=True)
+    return cell
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--budgets", default="120,300,600,900", help="training wall times, seconds")
+    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per prompt")
+    ap.add_argument("--quick", action="store_true", help="one 60 s budget, default + random-init")
+    ap.add_argument("--json", default="", help="also write the cells to this file")
+    args = ap.parse_args()
+    budgets = [60.0] if args.quick else [float(b) for b in args.budgets.split(",")]
+    recipes = ["default", "random-init"] if args.quick else args.recipes.split(",")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        ap.error(f"unknown recipe(s) {unknown}; choose from {sorted(RECIPES)}")
+    torch.set_num_threads(torch.get_num_threads())
+    cells = []
+    with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
+        for budget in budgets:
+            for recipe in recipes:
+                cells.append(run_cell(recipe, budget, args, Path(tmp)))
+    print(f"| recipe | budget s | steps | tau (held-out, {args.max_new_tokens} tokens) | tau_sim |")
+    print("|---|---|---|---|---|")
+    for c in cells:
+        print(
+            f"| {c['recipe']} | {c['budget_s']:.0f} | {c['steps']} | {c['tau']:.3f} "
+            f"| {c.get('tau_sim', float('nan')):.3f} |"
+        )
+    summary = {"machine": platform.processor() or platform.machine(), "cells": cells}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
