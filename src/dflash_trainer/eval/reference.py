@@ -1,0 +1,74 @@
+"""Our tau, cross-checked by the published reference loop on the exported drafter.
+
+`dflash_generate` of the `dflash` package (z-lab's reference implementation, installed by
+`make setup`) loads the export the way users will, and decodes greedily with the target
+verifying. Same prompts, same stop ids, same block size: in fp32 its tau equals ours exactly
+(tests/test_specdecode.py); a gap means the export or the loop differ from the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.eval.metrics import summarize
+from dflash_trainer.eval.specdecode import GenResult
+
+
+@contextlib.contextmanager
+def _cpu_clock(ref_model_module):
+    """The reference times with torch.cuda.synchronize(), which a CPU build cannot run."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = ref_model_module._cuda_time
+    ref_model_module._cuda_time = time.perf_counter
+    try:
+        yield
+    finally:
+        ref_model_module._cuda_time = saved
+
+
+def reference_tau(
+    export_dir: str | Path,
+    target_model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    block_size: int,
+    stop_ids: Sequence[int] = (),
+) -> dict:
+    """tau of the reference loop over `prompts` (token id lists), aggregated like ours: the
+    mean over responses of each response's mean tokens per cycle."""
+    try:  # optional: the reference package is installed by `make setup`, not a dependency
+        from dflash import model as ref
+    except ImportError:
+        raise UserError(
+            "the reference check needs the `dflash` package: pip install --no-deps dflash==0.1.0"
+        ) from None
+    param = next(target_model.parameters())
+    drafter = ref.DFlashDraftModel.from_pretrained(str(export_dir), dtype=param.dtype)
+    drafter = drafter.to(param.device).eval()
+    results = []
+    with _cpu_clock(ref):
+        for ids in prompts:
+            x = torch.tensor([list(ids)], dtype=torch.long, device=param.device)
+            r = ref.dflash_generate(
+                drafter,
+                target_model,
+                x,
+                max_new_tokens,
+                list(stop_ids) or None,
+                block_size=block_size,
+                return_stats=True,
+            )
+            lens = [int(a) for a in r.acceptance_lengths]
+            results.append(
+                GenResult(tokens=[], acceptance_lengths=lens, accepted_drafts=[], block_sizes=[])
+            )
+    s = summarize(results, None, block_size)
+    return {"tau": s.tau, "num_prompts": len(results)}
