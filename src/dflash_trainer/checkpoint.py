@@ -336,6 +336,17 @@ def checkpoint_dir(path) -> Path:
     )
 
 
+def checkpoint_export(path) -> Path:
+    """The published-format export a checkpoint holds (`export/`), or UserError."""
+    out = Path(path) / "export"
+    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+        raise UserError(
+            f"checkpoint {path} holds no export/ (config.json + model.safetensors); it was "
+            "written without one. Resume it for one step with --resume-from to write one."
+        )
+    return out
+
+
 def load_checkpoint(
     path: Path, *, drafter, optimizer, scheduler, generator: torch.Generator, config: dict
 ) -> TrainState:

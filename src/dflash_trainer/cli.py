@@ -26,6 +26,7 @@ COMMANDS = {
     "eval": "speculative decoding with a drafter: acceptance length and speedup",
     "report": "plots (PNG + HTML) of a run's metrics.jsonl",
     "bench": "run every benchmark under bench/ and write one table",
+    "export": "write a checkpoint's drafter in the published DFlash format (+ training.json)",
 }
 
 
@@ -68,12 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
         _add_common(p)
         if name == "report":
             p.add_argument("report_run_dir", metavar="RUN_DIR", help="a run directory")
+        if name == "export":
+            p.add_argument(
+                "export_source",
+                metavar="CHECKPOINT_DIR",
+                help="a checkpoint (RUN_DIR/checkpoints/step-N), a run directory (its latest "
+                "checkpoint) or an export directory",
+            )
+            p.add_argument("--out", dest="export_out", required=True, help="output directory")
+            p.add_argument(
+                "--dtype",
+                dest="export_dtype",
+                default="",
+                choices=["", "float32", "bfloat16", "float16"],
+                help="weights dtype (default: as trained)",
+            )
         if name == "eval":
             p.add_argument(
                 "--drafter",
                 dest="drafter_path",
                 default=None,
-                help="exported drafter dir (default: RUN_DIR/export)",
+                help="exported drafter dir (default: RUN_DIR/export); its training.json names "
+                "the target and the training config, so no preset is needed",
             )
             p.add_argument("--output", default=None, help="JSON result file")
         if name == "generate":
@@ -143,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.overrides = list(rest)  # a command may rebuild its config on another base (eval)
     _setup_console_logging()
     cfg = None
     try:

@@ -400,21 +400,59 @@ def _type_name(tp) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+LIST_SYNTAX = 'a,b  or  [a,b]  or  TOML ["a", "b"]  (one item: a; none: [])'
+
+
+def _unquote(item: str) -> str:
+    item = item.strip()
+    if len(item) >= 2 and item[0] == item[-1] and item[0] in "'\"":
+        return item[1:-1]
+    return item
+
+
+def parse_list(text: str) -> list:
+    """A list flag as users type it: `a,b`, `[a,b]`, `["a","b"]` / `['a']` (TOML), `[1, 2]`;
+    '' and `[]` are empty. ValueError when it is none of these (e.g. an unclosed bracket)."""
+    s = text.strip()
+    if not s.startswith("["):
+        return [_unquote(v) for v in s.split(",") if v.strip()]
+    if not s.endswith("]"):
+        raise ValueError("unclosed [")
+    try:
+        value = tomllib.loads(f"v = {s}")["v"]
+    except tomllib.TOMLDecodeError:
+        inner = s[1:-1]
+        if "[" in inner or "]" in inner:
+            raise ValueError("nested brackets") from None
+        return [_unquote(v) for v in inner.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ValueError("not a list")
+    return value
+
+
 def _coerce(key: str, tp, value: Any) -> Any:
     """Turn a TOML value or a flag string into the field's type, or raise ConfigError."""
     origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        why = ""
+        try:
+            items = parse_list(value) if isinstance(value, str) else value
+            if isinstance(items, list):
+                out = []
+                for v in items:
+                    try:
+                        out.append(_coerce(key, item_tp, v))
+                    except ConfigError:
+                        why = f" (item {v!r} is not {item_tp.__name__})"
+                        raise
+                return out
+        except (TypeError, ValueError):  # a ConfigError is a ValueError too
+            pass
+        raise ConfigError(
+            f"{key}: cannot read {value!r} as {_type_name(tp)}{why}. Write a list as {LIST_SYNTAX}."
+        )
     try:
-        if origin is list:
-            (item_tp,) = typing.get_args(tp)
-            if isinstance(value, str):
-                s = value.strip()
-                if s.startswith("["):
-                    value = json.loads(s)
-                else:
-                    value = [v.strip() for v in s.split(",") if v.strip()]
-            if not isinstance(value, list):
-                raise TypeError
-            return [_coerce(key, item_tp, v) for v in value]
         if tp is bool:
             if isinstance(value, bool):
                 return value
@@ -585,10 +623,28 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def apply_saved(cfg: Config, saved: dict, origin: str) -> list[str]:
+    """Apply a config saved by another version of the trainer (an export's training.json):
+    keys this version does not know are skipped and returned, not errors."""
+    known = set(all_keys())
+    flat = _flatten(saved)
+    for key, value in flat.items():
+        if key in known:
+            set_value(cfg, key, value, origin=origin)
+    return sorted(k for k in flat if k not in known)
+
+
 def load_config(
-    preset: str | None = None, config_file: str | None = None, overrides: list[str] | tuple = ()
+    preset: str | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | tuple = (),
+    base: dict | None = None,
 ) -> Config:
+    """defaults < `base` (a saved config, e.g. an export's training config) < preset <
+    --config file < flags."""
     cfg = Config()
+    if base:
+        apply_saved(cfg, base, origin="the recorded training config")
     if preset:
         path = PRESET_DIR / f"{preset}.toml"
         if not path.is_file():
@@ -659,6 +715,8 @@ def help_text() -> str:
             lo = "-inf" if m.get("min") is None else m["min"]
             hi = "inf" if m.get("max") is None else m["max"]
             extra.append(f"range [{lo}, {hi}]")
+        if typing.get_origin(tp) is list:
+            extra.append('a list: a,b or [a,b] or TOML ["a", "b"]')
         extra.append(f"default: {json.dumps(getattr(obj, leaf))}")
         out.append(f"  --{key}=<{_type_name(tp)}>\n      {m.get('help', '')} ({'; '.join(extra)})")
     return "\n".join(out)

@@ -9,16 +9,45 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, load_config
 from dflash_trainer.eval.metrics import format_table
 from dflash_trainer.eval.specdecode import evaluate_datasets, load_eval_pair
+from dflash_trainer.models.export import read_training
 
 log = logging.getLogger(__name__)
+
+
+def config_for(cfg: Config, args, drafter_dir: Path) -> Config:
+    """The export's recorded training config (training.json: target, taps, chat template
+    settings, run_dir) as the base, with the command line's preset, --config file and flags on
+    top; `cfg` unchanged when the export records none."""
+    rec = read_training(drafter_dir) if drafter_dir.is_dir() else None
+    if rec is None:
+        return cfg
+    base = rec["config"]
+    target = rec.get("target", {})
+    local = target.get("local_dir")
+    if local and not Path(str(base.get("target", {}).get("model", ""))).is_dir():
+        base = {**base, "target": {**base.get("target", {}), "model": local}}
+    out = load_config(
+        getattr(args, "preset", None),
+        getattr(args, "config_file", None),
+        getattr(args, "overrides", []),
+        base=base,
+    )
+    log.info(
+        "eval: target %s and settings from %s (step %s)",
+        out.target.model,
+        drafter_dir / "training.json",
+        rec.get("step"),
+    )
+    return out
 
 
 def run(cfg: Config, args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     drafter_dir = Path(getattr(args, "drafter_path", None) or Path(cfg.run_dir) / "export")
+    cfg = config_for(cfg, args, drafter_dir)
     output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
     target, drafter, block_size = load_eval_pair(cfg, drafter_dir, device)
     results = evaluate_datasets(cfg, target, drafter, block_size)

@@ -2,6 +2,10 @@
 
     out_dir/config.json        Qwen3-style config, architectures ["DFlashDraftModel"]
     out_dir/model.safetensors  exactly 3 + 11*L tensors, no "model." prefix, no embed/lm_head
+    out_dir/training.json      ours, read by no engine: the target (name, revision) and the
+                               resolved training config, so `eval --drafter DIR` needs no preset
+
+Every key and tensor is described in docs/export.md.
 
 The reference loads it with ``DFlashDraftModel.from_pretrained(out_dir)`` (tests/test_export.py).
 Writes are atomic: everything goes to a sibling temp dir which is then renamed into place, so a
@@ -23,6 +27,7 @@ from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+TRAINING_NAME = "training.json"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LAYER_PARAMS = (
@@ -88,15 +93,79 @@ def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
     return out
 
 
+def _hub_commit(model: str, revision: str | None) -> str | None:
+    """The commit of a Hub model in the local Hugging Face cache (offline; None if not there)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, CONFIG_NAME, revision=revision)
+    except Exception:  # not a repo id, no huggingface_hub: nothing to record
+        return None
+    if not isinstance(found, str):
+        return None
+    parts = Path(found).parts
+    return parts[parts.index("snapshots") + 1] if "snapshots" in parts else None
+
+
+def training_record(config: dict, *, step: int | None = None, source: str | None = None) -> dict:
+    """training.json content: which target the drafter belongs to and how it was trained.
+    `config` is the resolved training config (config.to_dict); `source` the checkpoint."""
+    from dflash_trainer import __version__
+
+    t = config.get("target", {}) or {}
+    model = t.get("model")
+    embedded = str(model or "").startswith("embedded:")
+    local = bool(model) and not embedded and Path(model).is_dir()
+    revision = t.get("revision") or None
+    commit = _hub_commit(model, revision) if model and not local and not embedded else None
+    return {
+        "format": 1,
+        "written_by": f"dflash-trainer {__version__}",
+        "step": step,
+        "checkpoint": source,
+        "target": {
+            "model": model,
+            "revision": revision,
+            "commit": commit,
+            "local_dir": str(Path(model).resolve()) if local else None,
+        },
+        "config": config,
+    }
+
+
+def read_training(path: str | os.PathLike) -> dict | None:
+    """training.json of the export in `path` (None: an export without one, e.g. z-lab's)."""
+    p = Path(path) / TRAINING_NAME
+    if not p.is_file():
+        return None
+    try:
+        rec = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"{p}: not valid JSON ({e}); re-export with `dflash-trainer export`."
+        ) from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("config"), dict):
+        raise UserError(f"{p}: no 'config' object; re-export with `dflash-trainer export`.")
+    return rec
+
+
 def export_drafter(
-    drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None
+    drafter: DFlashDrafter,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    training: dict | None = None,
 ) -> Path:
-    """Write config.json + model.safetensors into out_dir (replacing it atomically)."""
-    return export_weights(drafter.config, drafter.state_dict(), out_dir, dtype)
+    """Write config.json + model.safetensors (+ training.json when `training` is given) into
+    out_dir (replacing it atomically)."""
+    return export_weights(drafter.config, drafter.state_dict(), out_dir, dtype, training)
 
 
 def export_weights(
-    config, sd: dict, out_dir: str | os.PathLike, dtype: torch.dtype | None = None
+    config,
+    sd: dict,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    training: dict | None = None,
 ) -> Path:
     """export_drafter from a config and a state dict (e.g. a checkpoint snapshot's host copy,
     written while the live drafter trains on)."""
@@ -117,6 +186,10 @@ def export_weights(
         (tmp / CONFIG_NAME).write_text(
             json.dumps(hf_config(config, dtype), indent=2) + "\n", encoding="utf-8"
         )
+        if training is not None:
+            (tmp / TRAINING_NAME).write_text(
+                json.dumps(training, indent=1) + "\n", encoding="utf-8"
+            )
         old = None
         if out.exists():  # a directory cannot be os.replace'd over a non-empty one: swap
             old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -28,9 +28,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dflash_trainer.checkpoint import AsyncCheckpointWriter, contiguous_prefix, snapshot_checkpoint
+from dflash_trainer.checkpoint import (
+    AsyncCheckpointWriter,
+    contiguous_prefix,
+    snapshot_checkpoint,
+    step_of,
+)
 from dflash_trainer.config import Config
-from dflash_trainer.models.export import export_drafter, export_weights
+from dflash_trainer.models.export import export_drafter, export_weights, training_record
 from dflash_trainer.observe.balance import assess as assess_balance
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.monitor import Monitor
@@ -347,7 +352,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ callbacks
     def _export_weights(self, out_dir, weights) -> None:
-        export_weights(self.parts.drafter.config, weights, out_dir)
+        # training.json: the target and the training config, so `eval --drafter` needs no preset
+        step = step_of(Path(Path(out_dir).parent.name.split(".tmp-")[0]))  # step-N.tmp-PID/
+        record = training_record(self.parts.config_dict, step=step)
+        export_weights(self.parts.drafter.config, weights, out_dir, training=record)
 
     def _checkpoint_written(self, path: Path, snap) -> None:
         """After the checkpoint is on disk (writer thread when async): the ledger entries it
@@ -510,7 +518,8 @@ class Trainer:
             return None
         export_dir = self.run_dir / "export"
         tmp = self.run_dir / "export.tmp"
-        export_drafter(self.parts.drafter, tmp)
+        record = training_record(self.parts.config_dict, step=self.loop.state.step)
+        export_drafter(self.parts.drafter, tmp, training=record)
         if export_dir.exists():
             shutil.rmtree(export_dir)
         os.replace(tmp, export_dir)
