@@ -304,9 +304,15 @@ class MetricsConfig:
     log_every_s: float = _f(5.0, "monitor log interval", unit="s", min=0.05)
     tick_s: float = _f(0.5, "monitor tick (counters, queues)", unit="s", min=0.01)
     wandb: str = _f(
-        "offline", "W&B mode: off, offline (default), online", choices=("off", "offline", "online")
+        "auto",
+        "W&B mode: auto = WANDB_MODE if set (online/offline/disabled), else offline; off, "
+        "offline, online. WANDB_MODE=disabled turns W&B off whatever this says",
+        choices=("auto", "off", "offline", "online"),
     )
-    wandb_project: str = _f("dflash-trainer", "W&B project")
+    wandb_project: str = _f("", "W&B project ('' = WANDB_PROJECT, else dflash-trainer)")
+    wandb_entity: str = _f("", "W&B entity ('' = WANDB_ENTITY, else your default entity)")
+    wandb_group: str = _f("", "W&B run group ('' = WANDB_RUN_GROUP, else none)")
+    wandb_tags: list[str] = _f([], "W&B run tags ([] = WANDB_TAGS, comma-separated, else none)")
     tensorboard: bool = _f(True, "write TensorBoard event files (needs `tensorboard`)")
     console: bool = _f(True, "progress bar and one-line summaries on the console")
     peak_tflops: float = _f(

@@ -189,8 +189,68 @@ def _run_with_timeout(fn, timeout_s: float, what: str) -> bool:
     return True
 
 
+WANDB_ID_FILE = "wandb-run-id"  # in the run directory: a resumed run continues this W&B run
+DEFAULT_PROJECT = "dflash-trainer"
+# WANDB_MODE values (wandb's own spellings) -> our modes
+_ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline"}
+
+
+def wandb_mode(configured: str) -> str:
+    """The W&B mode of a run: WANDB_MODE=disabled always wins (off); an explicit
+    metrics.wandb next; "auto" follows WANDB_MODE, else offline."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env == "disabled":
+        return "off"
+    if configured != "auto":
+        return configured
+    return _ENV_MODES.get(env, "offline")
+
+
+def wandb_init_kwargs(metrics_cfg, run_dir: Path) -> dict:
+    """What wandb.init gets besides mode/dir/config: only what the user configured, so that
+    WANDB_PROJECT / WANDB_ENTITY / WANDB_RUN_GROUP / WANDB_TAGS apply otherwise (wandb reads
+    them itself); our project default only when neither is set. The run id is kept in
+    `run_dir/wandb-run-id` with resume="allow": a resumed run (same run_dir) continues the same
+    W&B run. WANDB_RUN_ID, when set, is the user's choice and is left to wandb."""
+    kw: dict[str, Any] = {}
+    project = getattr(metrics_cfg, "wandb_project", "")
+    if project:
+        kw["project"] = project
+    elif not os.environ.get("WANDB_PROJECT"):
+        kw["project"] = DEFAULT_PROJECT
+    for field, key in (("wandb_entity", "entity"), ("wandb_group", "group")):
+        value = getattr(metrics_cfg, field, "")
+        if value:
+            kw[key] = value
+    tags = list(getattr(metrics_cfg, "wandb_tags", []) or [])
+    if tags:
+        kw["tags"] = tags
+    if not os.environ.get("WANDB_RUN_ID"):
+        kw["id"] = run_id(run_dir)
+        kw["resume"] = "allow"
+    return kw
+
+
+def run_id(run_dir: Path) -> str:
+    """This run directory's W&B run id: read from `wandb-run-id`, or made and written there."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    try:
+        rid = path.read_text(encoding="utf-8").strip()
+        if rid:
+            return rid
+    except OSError:
+        pass
+    import secrets
+
+    rid = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(12))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(rid + "\n", encoding="utf-8")
+    return rid
+
+
 class WandbSink(Sink):
-    """Weights & Biases run in `{run_dir}/wandb`; mode "offline" (default) or "online"."""
+    """Weights & Biases run in `{run_dir}/wandb`; mode "offline" (default) or "online".
+    `init_kwargs` go to wandb.init as they are (build_sinks: wandb_init_kwargs)."""
 
     name = "wandb"
 
@@ -198,11 +258,12 @@ class WandbSink(Sink):
         self,
         run_dir: str | Path,
         mode: str = "offline",
-        project: str = "dflash-trainer",
+        project: str | None = DEFAULT_PROJECT,
         config: dict | None = None,
         run_name: str | None = None,
         init_timeout_s: float = 30.0,
         finish_timeout_s: float = 30.0,
+        init_kwargs: dict | None = None,
     ):
         self._warn = _WarnOnce(self.name)
         self._run = None
@@ -216,11 +277,13 @@ class WandbSink(Sink):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         kwargs = dict(
-            project=project,
             dir=str(run_dir),
-            name=run_name or run_dir.name,
+            name=run_name or os.environ.get("WANDB_NAME") or run_dir.name,
             config=redact(config or {}),
         )
+        if project:
+            kwargs["project"] = project
+        kwargs.update(init_kwargs or {})
         modes = [mode] if mode != "online" else ["online", "offline"]
         for m in modes:
             try:
@@ -366,12 +429,14 @@ def build_sinks(metrics_cfg, run_dir: str | Path, config_dict: dict | None = Non
     sinks: list[Sink] = [JsonlSink(run_dir)]
     if metrics_cfg.tensorboard:
         sinks.append(TensorBoardSink(run_dir))
-    if metrics_cfg.wandb != "off" and os.environ.get("WANDB_MODE") != "disabled":
+    mode = wandb_mode(metrics_cfg.wandb)
+    if mode != "off":
         sinks.append(
             WandbSink(
                 run_dir,
-                mode=metrics_cfg.wandb,
-                project=metrics_cfg.wandb_project,
+                mode=mode,
+                project=None,
+                init_kwargs=wandb_init_kwargs(metrics_cfg, Path(run_dir)),
                 config=config_dict,
                 init_timeout_s=getattr(metrics_cfg, "wandb_init_timeout_s", 30.0),
                 finish_timeout_s=getattr(metrics_cfg, "wandb_finish_timeout_s", 30.0),
