@@ -12,6 +12,7 @@ from pathlib import Path
 from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
 from dflash_trainer.run import train
+from dflash_trainer.run.build import require_sources
 from dflash_trainer.run.distributed import train_distributed
 from dflash_trainer.run.rundir import claim
 from dflash_trainer.run.trainer import setup_run_logging
@@ -56,6 +57,7 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
 
 
 def run(cfg: Config, args) -> int:
+    require_sources(cfg)  # before any process or directory is touched
     nproc = getattr(args, "nproc", 0) or 0
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         # Convenience: relaunch this very command under torchrun, one process per cell.

@@ -108,8 +108,23 @@ def replicate_target(cfg: Config, first) -> list:
     return [first] + [TargetModel.load(cfg.target, dev) for dev in cfg.pipeline.target_devices[1:]]
 
 
+def require_sources(cfg: Config) -> None:
+    """A run that prepares its own data needs data.sources: a preset that names none (qwen3-8b)
+    refuses here, before the target is loaded, instead of training on nothing in particular."""
+    if not cfg.data.sources:
+        raise UserError(
+            "no training data: data.sources is empty (the qwen3-8b preset names none on purpose). "
+            "Answer your prompts with the target first (dflash-trainer generate --prompts "
+            "PROMPTS.jsonl --output ANSWERS.jsonl, same --preset), then pass "
+            "--data.sources=ANSWERS.jsonl (a list: a.jsonl,b.jsonl@2; JSONL/JSON/Parquet or a "
+            "saved HF dataset dir; 'embedded' = the built-in MT-Bench + HumanEval prompts)."
+        )
+
+
 def load_inputs(cfg: Config, target=None, train_set=None, heldout=None) -> tuple:
     """(target, train_set, heldout): the given ones, else loaded/prepared from the config."""
+    if train_set is None:
+        require_sources(cfg)
     if target is None:
         target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     if train_set is None:
