@@ -69,3 +69,16 @@ def test_budget_stops_training_with_a_checkpoint_and_the_lr_at_its_end(tmp_path)
     blob = torch.load(res.checkpoint / "optimizer.pt", weights_only=True)
     last_lr = blob["scheduler"]["_last_lr"][0]
     assert last_lr == pytest.approx(cfg.optim.lr * 0.1)
+
+
+def test_a_resumed_run_spends_only_what_is_left(tmp_path):
+    over = {"optim.epochs": 10000, "optim.time_budget_s": 1.0}
+    target, data = tiny_target(), tiny_dataset()
+    first = train(tiny_config(tmp_path, **over), target=target, train_set=data, heldout=None)
+    assert first.reason == "time_budget"
+    over.update({"optim.time_budget_s": 2.0, "checkpoint.resume": True})
+    second = train(tiny_config(tmp_path, **over), target=target, train_set=data, heldout=None)
+    assert second.reason == "time_budget" and second.steps > first.steps
+    meta = json.loads((second.checkpoint / "state.json").read_text())
+    # the clock went on from the first run's 1 s (plus at most one step), not from 0
+    assert 2.0 <= meta["budget_used_s"] < 2.0 + 1.0

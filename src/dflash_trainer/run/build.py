@@ -166,6 +166,39 @@ def drafter_heads(target, drafter: DFlashDrafter, device: torch.device, autocast
     return embed_weight, lm_head
 
 
+def claim_run_dir(cfg: Config, rank: int) -> Path | None:
+    """One run per directory (run/rundir.py): rank 0 refuses, resumes or moves an earlier run
+    aside before this run writes anything there. Returns the checkpoint to start from (None:
+    run_dir's latest when resuming, else a fresh start)."""
+    if rank == 0:
+        return rundir.claim(cfg).resume_from
+    if cfg.checkpoint.resume_from:
+        return ckpt.checkpoint_dir(cfg.checkpoint.resume_from)
+    return None
+
+
+def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
+    d = cfg.drafter
+    return DFlashObjective(
+        d.block_size,
+        d.num_anchors,
+        d.gamma,
+        drafter.config.mask_token_id,  # an init_from export brings its own
+        d.loss_chunk_blocks,
+        weighting=d.weighting,
+        dpace_alpha=d.dpace_alpha,
+        feature_noise=d.feature_noise,
+    )
+
+
+def time_budget(cfg: Config, plan: ResumePlan | None) -> TimeBudget | None:
+    """optim.time_budget_s, less what the resumed checkpoint's run already spent."""
+    if cfg.optim.time_budget_s <= 0:
+        return None
+    used = float(plan.meta.get("budget_used_s", 0.0)) if plan is not None else 0.0
+    return TimeBudget(cfg.optim.time_budget_s, used_s=used)
+
+
 def build_run(
     cfg: Config,
     *,
@@ -177,14 +210,7 @@ def build_run(
     ddp_wrap=None,
 ) -> RunParts:
     run_dir = Path(cfg.run_dir)
-    # One run per directory (run/rundir.py): rank 0 refuses, resumes or moves an earlier run
-    # aside before this run writes anything there.
-    if rank == 0:
-        resume_from = rundir.claim(cfg).resume_from
-    else:
-        resume_from = (
-            ckpt.checkpoint_dir(cfg.checkpoint.resume_from) if cfg.checkpoint.resume_from else None
-        )
+    resume_from = claim_run_dir(cfg, rank)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.pipeline.seed)
     p = cfg.pipeline
@@ -195,17 +221,7 @@ def build_run(
     model = ddp_wrap(drafter) if ddp_wrap is not None else drafter
     autocast = use_autocast(p.precision, device)
     feature_dtype = torch.bfloat16 if device.type == "cuda" else next(drafter.parameters()).dtype
-    d = cfg.drafter
-    objective = DFlashObjective(
-        d.block_size,
-        d.num_anchors,
-        d.gamma,
-        drafter.config.mask_token_id,
-        d.loss_chunk_blocks,
-        weighting=d.weighting,
-        dpace_alpha=d.dpace_alpha,
-        feature_noise=d.feature_noise,
-    )
+    objective = build_objective(cfg, drafter)
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     # This rank's position in the checkpoint, known before the LR schedule is built.
     plan = None
@@ -215,10 +231,7 @@ def build_run(
         )
     total_steps = plan_total_steps(cfg, train_set.lengths, plan, rank, world_size)
     lr_segments = ckpt.lr_segments(plan, total_steps)
-    budget = None
-    if cfg.optim.time_budget_s > 0:
-        used = float(plan.meta.get("budget_used_s", 0.0)) if plan is not None else 0.0
-        budget = TimeBudget(cfg.optim.time_budget_s, used_s=used)
+    budget = time_budget(cfg, plan)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments, budget)
     guard = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, device)
     generator = torch.Generator(device=device)
