@@ -15,11 +15,13 @@ until the next full GC (a soak calling train() repeatedly saw RSS climb by ~230 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -123,6 +125,29 @@ def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler
     )
     logging.getLogger().addHandler(h)
     return h
+
+
+def console_above_bar(bar) -> contextlib.ExitStack:
+    """While `bar` is shown, console log lines go through tqdm.write: printed above the bar,
+    never through it (tqdm's logging_redirect_tqdm, at the console handlers' own level so DEBUG
+    stays in the run log). File handlers are untouched. Close the returned stack to restore."""
+    stack = contextlib.ExitStack()
+    root = logging.getLogger()
+    console = [
+        h
+        for h in root.handlers
+        if type(h) is logging.StreamHandler and h.stream in (sys.stdout, sys.stderr)
+    ]
+    if bar is None or not console:
+        return stack
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    before = list(root.handlers)
+    stack.enter_context(logging_redirect_tqdm(tqdm_class=type(bar)))
+    for h in root.handlers:
+        if h not in before:
+            h.setLevel(min(c.level for c in console))
+    return stack
 
 
 def check_taps(cfg: Config, step: TargetStep, name: str) -> None:
@@ -533,6 +558,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         merged: dict = {}
+        console = console_above_bar(self.bar)  # log lines print above the progress bar
         try:
             reason = self._supervise()
             balance = self._report_balance()
@@ -550,6 +576,7 @@ class Trainer:
         finally:
             if self.bar is not None:
                 self.bar.close()
+            console.close()
             try:  # a background write still in flight after a failure: let it land
                 self.writer.wait()
             except BaseException as e:
