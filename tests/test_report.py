@@ -55,7 +55,16 @@ def synthetic_run(run_dir, n=60, seed=0):
             f.write(json.dumps(rec) + "\n")
         # as PeriodicEval logs it (trainer.py)
         f.write(
-            json.dumps({"kind": "event", "step": 600, "eval/tau": 3.7, "eval/step": 600}) + "\n"
+            json.dumps(
+                {
+                    "kind": "event",
+                    "step": 600,
+                    "eval/tau": 3.7,
+                    "eval/tau_sim": 3.5,
+                    "eval/step": 600,
+                }
+            )
+            + "\n"
         )
         f.write('{"kind": "metrics", "step": 999, "torn')  # a torn last line is skipped
 
@@ -88,7 +97,7 @@ def test_acceptance_chart_holds_training_estimate_and_heldout_tau(tmp_path, monk
     run = tmp_path / "run"
     synthetic_run(run)
     R.write_report(run)
-    assert drawn["accept_len.png"] == ["drafter/accept_len", "eval/tau"]
+    assert drawn["accept_len.png"] == ["drafter/accept_len", "eval/tau", "eval/tau_sim"]
 
 
 def test_missing_series_skipped_with_note(tmp_path):

@@ -74,7 +74,18 @@ class DataConfig:
         2, "drop conversations with fewer supervised (assistant) tokens", unit="tokens", min=2
     )
     eval_fraction: float = _f(
-        0.1, "share of conversations held out for evaluation", min=0.0, max=0.9
+        0.1,
+        "share of conversations held out for evaluation, per source (MT-Bench and HumanEval for "
+        "the embedded data, each file otherwise), chosen with pipeline.seed",
+        min=0.0,
+        max=0.9,
+    )
+    truncated: str = _f(
+        "keep_open",
+        "answers cut at the generation limit (provenance.finish_reason = 'length', or a "
+        "top-level finish_reason): keep_open = train on them without the end-of-turn token the "
+        "target never produced; drop = leave them out",
+        choices=("keep_open", "drop"),
     )
     cache_dir: str = _f("", "tokenized-data cache dir ('' = ~/.cache/dflash-trainer/tokenized)")
     roots: list[str] = _f([], "if set, every data path must lie under one of these dirs")
@@ -329,16 +340,57 @@ class MetricsConfig:
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
     every_steps: int = _f(
-        0, "evaluate acceptance length every N steps (0 = only at the end)", unit="steps", min=0
+        0,
+        "evaluate acceptance length on the validation prompts every N steps (0 = off; the "
+        "held-out evaluation at the end runs either way, see eval.at_end)",
+        unit="steps",
+        min=0,
     )
-    num_prompts: int = _f(16, "held-out prompts per evaluation", min=1)
+    at_end: bool = _f(
+        True,
+        "at the end of a run, decode every reported held-out prompt (not the validation ones): "
+        "tau per source and overall, and eval/tau_sim beside it",
+    )
+    num_prompts: int = _f(
+        16,
+        "validation prompts per periodic evaluation (a fixed seeded subset, stratified by source, "
+        "chosen once); in the eval command, the prompts per named dataset (heldout is decoded "
+        "whole)",
+        min=1,
+    )
+    validation_fraction: float = _f(
+        0.25,
+        "share of the held-out prompts (per source) kept aside to pick best/; the rest are "
+        "reported and never select anything",
+        min=0.0,
+        max=0.9,
+    )
+    validation_prompts: int = _f(
+        0,
+        "validation prompts in total instead of eval.validation_fraction (0 = use the fraction)",
+        min=0,
+    )
+    dtype: str = _f(
+        "auto",
+        "dtype evaluation decodes in (target and drafter; cast copies when training uses "
+        "another): auto = float32 on CPU (exact, and faster without native bf16), the target's "
+        "dtype on GPU",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    tau_sim: bool = _f(
+        True,
+        "estimate tau from the held-out responses (replaying the draft-verify loop on them; "
+        "target features from one pass per response, cached) and log eval/tau_sim beside eval/tau",
+    )
     max_new_tokens: int = _f(128, "tokens generated per prompt", unit="tokens", min=1)
     block_size: int = _f(0, "inference block size (0 = training block size)", unit="tokens", min=0)
     temperature: float = _f(0.0, "0 = greedy; >0 samples with the exact-match rule", min=0.0)
     datasets: list[str] = _f(["heldout"], "prompt sets: heldout, mt-bench, humaneval, or a file")
     top_p: float = _f(1.0, "nucleus sampling mass when temperature > 0", min=0.01, max=1.0)
     heldout_path: str = _f(
-        "", "JSONL of {id, messages} for 'heldout' ('' = RUN_DIR/heldout.jsonl, else mt-bench)"
+        "",
+        "JSONL of {id, messages, source} for 'heldout' ('' = RUN_DIR/heldout.jsonl, written by "
+        "training; a missing file is an error)",
     )
     seed: int = _f(0, "sampling seed (temperature > 0)", min=0)
 

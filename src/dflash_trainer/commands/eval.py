@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.config import Config, load_config
+from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
 from dflash_trainer.eval.metrics import format_table
 from dflash_trainer.eval.specdecode import evaluate_datasets, load_eval_pair
 from dflash_trainer.models.export import read_training
@@ -50,6 +51,8 @@ def run(cfg: Config, args) -> int:
     cfg = config_for(cfg, args, drafter_dir)
     output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
     target, drafter, block_size = load_eval_pair(cfg, drafter_dir, device)
+    dtype = eval_dtype(cfg.eval.dtype, device, target.dtype)  # cast copies where it differs
+    target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
     results = evaluate_datasets(cfg, target, drafter, block_size)
     print(format_table(results))
     payload = {
@@ -61,6 +64,7 @@ def run(cfg: Config, args) -> int:
         "top_p": cfg.eval.top_p,
         "seed": cfg.eval.seed,
         "device": str(device),
+        "dtype": dtype_label(dtype),
         "datasets": {k: v.to_dict() for k, v in results.items()},
     }
     output.parent.mkdir(parents=True, exist_ok=True)

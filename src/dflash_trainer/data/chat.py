@@ -95,11 +95,18 @@ def render_with_spans(
     messages: list[dict],
     template_kwargs: dict | None = None,
     specials: tuple[str, ...] | None = None,
+    open_last: bool = False,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Full text and the character spans [start, end) of every supervised assistant turn."""
+    """Full text and the character spans [start, end) of every supervised assistant turn.
+
+    open_last: the last assistant turn was cut at a generation limit; the text then ends with
+    its content, without the end-of-turn token (and whatever the template puts after it)."""
     kw = dict(template_kwargs or {})
     specials = _special_strings(tokenizer) if specials is None else specials
     full = _render(tokenizer, messages, False, kw)
+    last_assistant = max(
+        (i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1
+    )
     spans = []
     for i, m in enumerate(messages):
         # A leading assistant turn has no prompt to condition on: never supervised.
@@ -122,8 +129,13 @@ def render_with_spans(
         kept = q[start:end].rstrip()
         if kept.endswith(specials):
             end = start + len(kept)
+            if open_last and i == last_assistant:
+                sp = max((x for x in specials if kept.endswith(x)), key=len)
+                end -= len(sp)
         if end > start:
             spans.append((start, end))
+        if open_last and i == last_assistant:
+            return full[:end], spans
     return full, spans
 
 
@@ -176,15 +188,17 @@ def tokenize_conversation(
     min_supervised: int = 2,
     template_kwargs: dict | None = None,
     stats: dict | None = None,
+    open_last: bool = False,
 ) -> TokenizedExample | None:
     """One conversation -> ids + assistant mask, or None (dropped; the reason is counted in stats).
 
     overlong: 'truncate' keeps the first max_length tokens, 'drop' drops the example.
+    open_last: the last answer was cut at a generation limit: no end-of-turn token after it.
     """
     if overlong not in ("truncate", "drop"):
         raise UserError(f"data.overlong: {overlong!r} is not 'truncate' or 'drop'.")
     _check_template(tokenizer)
-    text, spans = render_with_spans(tokenizer, messages, template_kwargs)
+    text, spans = render_with_spans(tokenizer, messages, template_kwargs, open_last=open_last)
     (ids,), (offs,) = _encode(tokenizer, [text])
     return _finish(
         ids, _mask_from_offsets(offs, spans), max_length, overlong, min_supervised, stats
@@ -217,6 +231,10 @@ class TokenizedDataset:
         self.stats.setdefault("examples", len(self.ids))
         self.stats.setdefault("tokens", int(self.lengths.sum()))
         self.stats.setdefault("supervised_tokens", int(sum(int(m.sum()) for m in self.loss_mask)))
+        # Per example, set by data/prepare.py (not cached): the source stratum and, on the
+        # held-out side, the role ('validation' picks best/, 'report' is reported).
+        self.sources: list[str] | None = None
+        self.roles: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -230,6 +248,10 @@ class TokenizedDataset:
             None,
             self.pad_id,
         )
+        for name in ("sources", "roles"):
+            vals = getattr(self, name)
+            if vals is not None:
+                setattr(sub, name, [vals[i] for i in idx])
         return sub
 
     def split_heldout(
@@ -294,7 +316,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_key(data_cfg, tokenizer, conversations, template_kwargs: dict | None = None) -> str:
     conv_h = hashlib.sha256()
     for c in conversations:
-        conv_h.update(json.dumps([c.id, c.messages], ensure_ascii=False, sort_keys=True).encode())
+        rec = [c.id, c.messages] + (["truncated"] if getattr(c, "truncated", False) else [])
+        conv_h.update(json.dumps(rec, ensure_ascii=False, sort_keys=True).encode())
         conv_h.update(b"\x00")
     key = {
         "format": CACHE_FORMAT,
@@ -304,6 +327,7 @@ def cache_key(data_cfg, tokenizer, conversations, template_kwargs: dict | None =
         "max_length": data_cfg.max_length,
         "overlong": data_cfg.overlong,
         "min_supervised": data_cfg.min_supervised,
+        "truncated": getattr(data_cfg, "truncated", "keep_open"),
         "template_kwargs": template_kwargs or {},
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
@@ -320,11 +344,25 @@ def _tokenize_all(tokenizer, conversations, data_cfg, template_kwargs, chunk: in
     _check_template(tokenizer)
     specials = _special_strings(tokenizer)
     stats = {k: 0 for k in _STAT_KEYS}
+    policy = getattr(data_cfg, "truncated", "keep_open")
+    if policy == "drop":
+        kept = [c for c in conversations if not getattr(c, "truncated", False)]
+        stats["dropped_truncated"] = len(conversations) - len(kept)
+        conversations = kept
+    else:
+        stats["open_ended"] = sum(bool(getattr(c, "truncated", False)) for c in conversations)
     out_ids, out_mask, out_cid = [], [], []
     for lo in range(0, len(conversations), chunk):
         part = conversations[lo : lo + chunk]
         rendered = [
-            render_with_spans(tokenizer, c.messages, template_kwargs, specials) for c in part
+            render_with_spans(
+                tokenizer,
+                c.messages,
+                template_kwargs,
+                specials,
+                open_last=bool(getattr(c, "truncated", False)),
+            )
+            for c in part
         ]
         all_ids, all_offs = _encode(tokenizer, [t for t, _ in rendered])
         for c, (_, spans), ids, offs in zip(part, rendered, all_ids, all_offs):

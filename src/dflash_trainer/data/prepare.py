@@ -1,21 +1,38 @@
 """From `data.*` config to (train, held-out) tokenized datasets, resolving the embedded source.
 
-The held-out conversations' prompts are also written to `{run_dir}/heldout.jsonl` so that
-`dflash-trainer eval` (eval.datasets = heldout) measures acceptance on prompts never trained on.
+The held-out split is stratified by source (the embedded data: MT-Bench and HumanEval, told apart
+by the id prefix; user data: each source file) and drawn with `pipeline.seed`; the held-out set
+is kept in a seeded shuffled order (never length order, so "the first N" is not "the N
+shortest"). The held-out side is split once more: a small validation subset (stratified the same
+way, `eval.validation_fraction` or `eval.validation_prompts`) picks `best/` during training; the
+rest is reported and never selects anything. Files written beside the run:
+
+    heldout.jsonl     the reported held-out prompts: {id, messages (no assistant turns), source}
+    validation.jsonl  the validation prompts, same shape
+    train_ids.json    the training conversations' ids and prompt hashes, so that evaluating a
+                      named data set can say which of its prompts were trained on
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import zlib
+from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 from dflash_trainer.data.chat import build_dataset
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
 
 log = logging.getLogger(__name__)
+
+EMBEDDED_SOURCES = {"mtbench-": "mt-bench", "humaneval-": "humaneval"}
+VALIDATION, REPORT = "validation", "report"
 
 
 def resolve_sources(cfg, target=None) -> list[str]:
@@ -31,29 +48,164 @@ def resolve_sources(cfg, target=None) -> list[str]:
     return out
 
 
+def source_label(conv_id: str, source: str, embedded_files: set[str]) -> str:
+    """The stratum of one conversation: mt-bench / humaneval for the embedded data, else the
+    source file's name."""
+    if source in embedded_files:
+        for prefix, name in EMBEDDED_SOURCES.items():
+            if conv_id.startswith(prefix):
+                return name
+    return Path(source).name
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """The prompt side of a conversation: its turns before the first assistant turn."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def prompt_hash(messages: list[dict]) -> str:
+    """A conversation's identity by content: sha256 of its prompt turns (ids differ between
+    files; the text does not)."""
+    blob = json.dumps(prompt_messages(messages), ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _stratum_rng(seed: int, salt: int, stratum: str) -> np.random.Generator:
+    return np.random.default_rng([seed, salt, zlib.crc32(stratum.encode())])
+
+
+def stratified_pick(
+    strata: dict[str, list[str]], fraction: float, seed: int, salt: int, count: int = 0
+) -> set[str]:
+    """Ids drawn from every stratum: round(fraction * n) of each (at least one of a stratum with
+    two or more when fraction > 0, never all of it), or `count` in total shared in proportion
+    to the strata's sizes. Seeded per (seed, salt, stratum name): adding a source does not
+    reshuffle the others."""
+    total = sum(len(v) for v in strata.values())
+    if total == 0 or (fraction <= 0 and count <= 0):
+        return set()
+    picked: set[str] = set()
+    for name in sorted(strata):
+        ids = sorted(set(strata[name]))
+        n = len(ids)
+        k = round(count * n / total) if count > 0 else round(fraction * n)
+        if n > 1:
+            k = min(max(k, 1), n - 1)
+        else:
+            k = 0
+        order = _stratum_rng(seed, salt, name).permutation(n)[:k]
+        picked.update(ids[i] for i in order.tolist())
+    return picked
+
+
+def split_roles(ids: list[str], sources: list[str], eval_cfg, seed: int) -> list[str]:
+    """Per held-out example: 'validation' (picks best/) or 'report' (the reported figure)."""
+    strata: dict[str, list[str]] = defaultdict(list)
+    for i, s in zip(ids, sources):
+        strata[s].append(i)
+    val = stratified_pick(
+        strata, eval_cfg.validation_fraction, seed, 0x7A11D, eval_cfg.validation_prompts
+    )
+    return [VALIDATION if i in val else REPORT for i in ids]
+
+
 def prepare_data(cfg, tokenizer, target=None):
     sources = resolve_sources(cfg, target)
+    embedded_files = {
+        parse_source_spec(s)[0] for s, spec in zip(sources, cfg.data.sources) if spec != s
+    }
     convs, report = load_sources(
         sources, cfg.data.on_bad_record, tuple(cfg.data.roots), seed=cfg.pipeline.seed
     )
     log.info("data: %s", report.summary() if hasattr(report, "summary") else report)
     dataset = build_dataset(cfg.data, tokenizer, convs)
     log.info("tokenized: %s", dataset.stats)
-    train, heldout = dataset.split_heldout(cfg.data.eval_fraction, cfg.pipeline.seed)
-    write_heldout_prompts(Path(cfg.run_dir) / "heldout.jsonl", convs, heldout.ids)
+    label = {c.id: source_label(c.id, c.source, embedded_files) for c in convs}
+    train, heldout = split_dataset(
+        dataset, label, cfg.data.eval_fraction, cfg.pipeline.seed, cfg.eval
+    )
+    run_dir = Path(cfg.run_dir)
+    write_split_files(run_dir, convs, train, heldout)
+    counts = defaultdict(lambda: [0, 0])
+    for s, r in zip(heldout.sources, heldout.roles):
+        counts[s][r == VALIDATION] += 1
+    log.info(
+        "held out (seed %d, stratified by source): %s; files in %s",
+        cfg.pipeline.seed,
+        ", ".join(f"{s}: {a} reported + {b} validation" for s, (a, b) in sorted(counts.items()))
+        or "none",
+        run_dir,
+    )
     return train, heldout
+
+
+def split_dataset(dataset, label: dict[str, str], fraction: float, seed: int, eval_cfg):
+    """(train, held-out) by conversation id, stratified by `label[id]`. Weighted copies share an
+    id and stay on one side; the held-out side keeps one copy of each, in a seeded order, with
+    `.sources` and `.roles` (validation / report) set."""
+    strata: dict[str, list[str]] = defaultdict(list)
+    for cid in dict.fromkeys(dataset.ids):
+        strata[label.get(cid, "data")].append(cid)
+    held = stratified_pick(strata, fraction, seed, 0x5EED)
+    train_idx = [i for i, g in enumerate(dataset.ids) if g not in held]
+    first: dict[str, int] = {}
+    for i, g in enumerate(dataset.ids):
+        if g in held:
+            first.setdefault(g, i)
+    held_idx = list(first.values())
+    order = np.random.default_rng([seed, 0x0DE5]).permutation(len(held_idx)).tolist()
+    held_idx = [held_idx[k] for k in order]
+    train, heldout = dataset.subset(train_idx), dataset.subset(held_idx)
+    heldout.sources = [label.get(g, "data") for g in heldout.ids]
+    heldout.roles = split_roles(heldout.ids, heldout.sources, eval_cfg, seed)
+    train.sources = [label.get(g, "data") for g in train.ids]
+    return train, heldout
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_split_files(run_dir: Path, convs, train, heldout) -> None:
+    by_id = {}
+    for c in convs:
+        by_id.setdefault(c.id, c)
+    lines = {REPORT: [], VALIDATION: []}
+    for cid, src, role in zip(heldout.ids, heldout.sources, heldout.roles):
+        c = by_id.get(cid)
+        if c is None:
+            continue
+        msgs = [m for m in c.messages if m["role"] != "assistant"]
+        lines[role].append(json.dumps({"id": cid, "messages": msgs, "source": src}))
+    _write_atomic(run_dir / "heldout.jsonl", "".join(x + "\n" for x in lines[REPORT]))
+    _write_atomic(run_dir / "validation.jsonl", "".join(x + "\n" for x in lines[VALIDATION]))
+    trained = dict.fromkeys(train.ids)
+    _write_atomic(
+        run_dir / "train_ids.json",
+        json.dumps(
+            {
+                "ids": list(trained),
+                "prompt_hashes": sorted({prompt_hash(by_id[i].messages) for i in trained}),
+            }
+        ),
+    )
 
 
 def write_heldout_prompts(path: Path, convs, held_ids) -> None:
     """The user side of each held-out conversation (assistant turns are regenerated at eval)."""
     wanted = set(held_ids)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    seen = set()
-    with open(tmp, "w", encoding="utf-8") as f:
-        for c in convs:
-            if c.id in wanted and c.id not in seen:
-                seen.add(c.id)
-                msgs = [m for m in c.messages if m["role"] != "assistant"]
-                f.write(json.dumps({"id": c.id, "messages": msgs}) + "\n")
-    os.replace(tmp, path)
+    lines, seen = [], set()
+    for c in convs:
+        if c.id in wanted and c.id not in seen:
+            seen.add(c.id)
+            msgs = [m for m in c.messages if m["role"] != "assistant"]
+            lines.append(json.dumps({"id": c.id, "messages": msgs}) + "\n")
+    _write_atomic(path, "".join(lines))

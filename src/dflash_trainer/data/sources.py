@@ -51,6 +51,9 @@ class Conversation:
     id: str
     messages: list[dict]  # [{"role": "system|user|assistant", "content": str}]
     source: str  # the file/dir it came from
+    # the last assistant turn was cut at a generation limit (finish_reason "length"): it must not
+    # end with an end-of-turn token the model never produced (data.truncated)
+    truncated: bool = False
 
 
 @dataclass
@@ -340,6 +343,16 @@ def parse_record(rec: Any) -> tuple[Any, list[dict]]:
     return rid, messages
 
 
+def finish_reason(rec: dict) -> str | None:
+    """How the record's last answer ended, where the record says: `finish_reason` at the top
+    level or in `provenance` (what `dflash-trainer generate` writes): "stop" or "length"."""
+    prov = rec.get("provenance")
+    value = rec.get("finish_reason")
+    if value is None and isinstance(prov, dict):
+        value = prov.get("finish_reason")
+    return value if isinstance(value, str) else None
+
+
 def _has_response(messages: list[dict]) -> bool:
     return any(
         m["role"] == "assistant" and m["content"] and not m["content"].isspace() for m in messages
@@ -379,7 +392,7 @@ def read_source(
             stats.dropped_empty += 1
             continue
         cid = str(rid) if rid is not None else f"{stem}:{loc.split()[-1]}"
-        out.append(Conversation(cid, messages, str(path)))
+        out.append(Conversation(cid, messages, str(path), finish_reason(rec) == "length"))
     if stats.read == 0:
         raise DataError(f"{p}: the source is empty (no records). Remove it from data.sources.")
     stats.kept = len(out)

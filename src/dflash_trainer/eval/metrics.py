@@ -6,7 +6,11 @@ Conventions (method doc §3, z-lab benchmark):
 - tau = mean over responses of each response's mean acceptance length (responses with no cycle are
   skipped); `tau_token_weighted` = all committed tokens / all cycles;
 - speedup = mean time-per-output-token of the AR baseline / mean TPOT with the drafter, prefill
-  excluded on both sides.
+  excluded on both sides;
+- lossless: spec outputs equal plain greedy ones. In bf16/fp16 the batched verify pass and the
+  one-token steps round differently, so the target's own argmax can flip where two logits nearly
+  tie; such a divergence is reported with the logit gap at its first divergent position
+  ("identical except bf16 near-ties: N of M, largest logit gap G"), never as a bare False.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ class EvalSummary:
     ar_tpot: float | None = None  # seconds/token, AR baseline
     speedup: float | None = None
     outputs_match: float | None = None  # share of responses where spec == AR tokens
+    decode_dtype: str = "float32"  # the dtype target and drafter decoded in
+    tie_gaps: list[float] = field(default_factory=list)  # per divergent response: logit gap
+    # between the two choices at its first divergent position
     spec_results: list[Any] = field(default_factory=list, repr=False)
     ar_results: list[Any] = field(default_factory=list, repr=False)
 
@@ -42,6 +49,42 @@ class EvalSummary:
     @property
     def lossless(self) -> bool | None:
         return None if self.outputs_match is None else self.outputs_match == 1.0
+
+    @property
+    def num_divergent(self) -> int:
+        if self.outputs_match is None:
+            return 0
+        return sum(a.tokens != b.tokens for a, b in zip(self.spec_results, self.ar_results))
+
+    @property
+    def near_ties_only(self) -> bool:
+        """Every divergence is a rounding near-tie of a reduced-precision decode."""
+        return (
+            self.decode_dtype != "float32"
+            and len(self.tie_gaps) == self.num_divergent
+            and all(g <= NEAR_TIE_LOGIT_GAP for g in self.tie_gaps)
+        )
+
+    def lossless_line(self) -> str:
+        """What a user reads about losslessness (vs plain greedy decoding)."""
+        if self.outputs_match is None:
+            return "not checked (no baseline run)"
+        m, n = self.num_responses, self.num_divergent
+        if n == 0:
+            return f"identical to plain greedy decoding on {m} of {m} ({self.decode_dtype})"
+        gap = f"{max(self.tie_gaps):.3g}" if self.tie_gaps else "?"
+        if self.near_ties_only:
+            short = {"bfloat16": "bf16", "float16": "fp16"}.get(
+                self.decode_dtype, self.decode_dtype
+            )
+            return (
+                f"identical except {short} near-ties: {n} of {m}, largest logit gap {gap} "
+                "(decode in float32, eval.dtype=float32, for an exact check)"
+            )
+        return (
+            f"DIFFERS from plain greedy decoding on {n} of {m} ({self.decode_dtype}; largest logit "
+            f"gap at the first divergence {gap}): a bug, not rounding"
+        )
 
     def to_dict(self) -> dict:
         d = {
@@ -62,10 +105,19 @@ class EvalSummary:
                 "outputs_match",
                 "tokens_per_s",
                 "lossless",
+                "decode_dtype",
+                "tie_gaps",
+                "num_divergent",
             )
         }
+        d["lossless_line"] = self.lossless_line()
         d["acceptance_lengths"] = [r.acceptance_lengths for r in self.spec_results]
         return d
+
+
+# A divergence whose two candidate logits were within this many logits of each other is a
+# reduced-precision near-tie (bf16 keeps 8 mantissa bits: ~0.125 resolution at logits of 16-32).
+NEAR_TIE_LOGIT_GAP = 1.0
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -122,7 +174,7 @@ def summarize(spec: Sequence[Any], ar: Sequence[Any] | None, block_size: int) ->
 def format_table(results: dict[str, EvalSummary]) -> str:
     """One line per dataset: tau, speedup, tokens/s, n."""
     head = (
-        f"{'dataset':<16}{'n':>5}{'tau':>7}{'tau_tok':>9}{'speedup':>9}{'tok/s':>9}"
+        f"{'dataset':<24}{'n':>5}{'tau':>7}{'tau_tok':>9}{'speedup':>9}{'tok/s':>9}"
         f"{'AR tok/s':>10}{'match':>7}"
     )
     rows = [head, "-" * len(head)]
@@ -131,7 +183,10 @@ def format_table(results: dict[str, EvalSummary]) -> str:
         ar = f"{1 / s.ar_tpot:.1f}" if s.ar_tpot else "-"
         m = f"{s.outputs_match:.2f}" if s.outputs_match is not None else "-"
         rows.append(
-            f"{name[:15]:<16}{s.num_responses:>5}{s.tau:>7.2f}{s.tau_token_weighted:>9.2f}"
+            f"{name[:23]:<24}{s.num_responses:>5}{s.tau:>7.2f}{s.tau_token_weighted:>9.2f}"
             f"{sp:>9}{s.tokens_per_s:>9.1f}{ar:>10}{m:>7}"
         )
+    for name, s in results.items():
+        if s.outputs_match is not None:
+            rows.append(f"{name}: {s.lossless_line()}")
     return "\n".join(rows)

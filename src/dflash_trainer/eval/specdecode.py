@@ -40,8 +40,10 @@ from torch import nn
 
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.prepare import prompt_hash
 from dflash_trainer.data.sources import BadRecord, parse_record
 from dflash_trainer.errors import UserError
+from dflash_trainer.eval.dtype import dtype_label, model_dtype
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache, tap_outputs
@@ -534,7 +536,33 @@ def evaluate(
                         torch.Generator().manual_seed(seed + i),
                     )
                 )
-    return summarize(spec, ar or None, block_size)
+        s = summarize(spec, ar or None, block_size)
+        s.decode_dtype = dtype_label(model_dtype(target.model))
+        for p, a, b in zip(prompts, spec, ar):
+            if a.tokens != b.tokens:
+                s.tie_gaps.append(divergence_gap(target.model, _as_prompt(p, device), a, b))
+    return s
+
+
+@torch.no_grad()
+def divergence_gap(model: nn.Module, prompt: torch.Tensor, a: GenResult, b: GenResult) -> float:
+    """|logit(a's token) - logit(b's token)| at the first position where the two generations of
+    `prompt` differ, from one plain forward over the common prefix: small for a near-tie that
+    reduced-precision rounding flipped, large for a real divergence."""
+    j = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
+    if j is None:  # one is a prefix of the other: it stopped where the other went on
+        j = min(len(a.tokens), len(b.tokens))
+        if j >= max(len(a.tokens), len(b.tokens)):
+            return 0.0
+    ids = torch.cat(
+        [prompt, torch.tensor([a.tokens[:j]], dtype=torch.long, device=prompt.device)], 1
+    )
+    logits = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+    x = a.tokens[j] if j < len(a.tokens) else None
+    y = b.tokens[j] if j < len(b.tokens) else None
+    if x is None or y is None:  # one ended on the token limit: no second choice to compare
+        return 0.0
+    return float((logits[x] - logits[y]).abs())
 
 
 def quick_acceptance(
@@ -594,6 +622,10 @@ def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
     return out
 
 
+def heldout_file(cfg: Any) -> Path:
+    return Path(cfg.eval.heldout_path or Path(cfg.run_dir) / "heldout.jsonl")
+
+
 def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
     """(id, messages) pairs for one entry of eval.datasets."""
     if name in ("mt-bench", "humaneval"):
@@ -603,12 +635,35 @@ def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
             raise UserError(f"no embedded prompts found for eval dataset '{name}'.")
         return [(c.id, c.messages) for c in convs]
     if name == "heldout":
-        path = cfg.eval.heldout_path or str(Path(cfg.run_dir) / "heldout.jsonl")
-        if Path(path).is_file():
-            return load_prompt_file(path)
-        log.warning("eval: no held-out file at %s; using mt-bench prompts instead", path)
-        return load_prompt_set("mt-bench", cfg)
+        path = heldout_file(cfg)
+        if not path.is_file():
+            raise UserError(
+                f"eval.datasets=heldout: no held-out prompts at '{path}'. Training writes them "
+                "(RUN_DIR/heldout.jsonl, the prompts it never trained on): pass the run's "
+                "--run_dir, or set --eval.heldout_path to a JSONL of {id, messages}. "
+                "mt-bench/humaneval are not held out from the embedded training data."
+            )
+        return load_prompt_file(path)
     return load_prompt_file(name)
+
+
+def training_ids(cfg: Any) -> tuple[set, set] | None:
+    """(ids, prompt hashes) of the run's training conversations (train_ids.json beside the
+    held-out file), or None when the run wrote none."""
+    path = heldout_file(cfg).parent / "train_ids.json"
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text(encoding="utf-8"))
+    return set(d.get("ids", [])), set(d.get("prompt_hashes", []))
+
+
+def split_by_training(convs, trained: tuple[set, set]) -> tuple[list, list]:
+    """(prompts the run trained on, the rest), by conversation id or prompt hash."""
+    ids, hashes = trained
+    seen, rest = [], []
+    for cid, msgs in convs:
+        (seen if cid in ids or prompt_hash(msgs) in hashes else rest).append((cid, msgs))
+    return seen, rest
 
 
 def run_conversations(
@@ -625,7 +680,7 @@ def run_conversations(
     """Answer every user turn of each conversation in order (multi-turn, like the z-lab benchmark):
     each turn is one response; the history carries the spec-decoded answers, not the file's own."""
     tok = target.tokenizer
-    spec, ar = [], []
+    spec, ar, gaps = [], [], []
     for ci, (_cid, msgs) in enumerate(convs):
         history: list[dict] = []
         for m in msgs:
@@ -648,9 +703,13 @@ def run_conversations(
             )
             spec += s.spec_results
             ar += s.ar_results
+            gaps += s.tie_gaps
             text = tok.decode(s.spec_results[0].tokens, skip_special_tokens=True)
             history.append({"role": "assistant", "content": text})
-    return summarize(spec, ar, block_size)
+    out = summarize(spec, ar, block_size)
+    out.decode_dtype = dtype_label(model_dtype(target.model))
+    out.tie_gaps = gaps
+    return out
 
 
 def load_eval_pair(cfg: Any, drafter_dir: Path, device: torch.device) -> tuple[Any, Any, int]:
@@ -683,20 +742,45 @@ def load_eval_pair(cfg: Any, drafter_dir: Path, device: torch.device) -> tuple[A
 
 
 def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> dict:
-    """Speculative decoding on every `eval.datasets` entry: name -> EvalSummary."""
+    """Speculative decoding on every `eval.datasets` entry: name -> EvalSummary.
+
+    'heldout' is decoded whole. A named set (mt-bench, humaneval, a file) is cut to
+    eval.num_prompts; where it overlaps the run's training data (train_ids.json), a warning
+    gives the overlap and tau is reported separately: `NAME:trained` and `NAME:unseen`."""
+    trained = training_ids(cfg)
     results = {}
     for name in cfg.eval.datasets:
-        convs = load_prompt_set(name, cfg)[: cfg.eval.num_prompts]
-        log.info("eval: %s, %d conversations, block %d", name, len(convs), block_size)
-        results[name] = run_conversations(
-            target,
-            drafter,
-            convs,
-            cfg.eval.max_new_tokens,
-            block_size,
-            cfg.eval.temperature,
-            cfg.eval.top_p,
-            cfg.target.enable_thinking,
-            seed=cfg.eval.seed,
-        )
+        convs = load_prompt_set(name, cfg)
+        parts = {name: convs}
+        if name != "heldout":
+            convs = convs[: cfg.eval.num_prompts]
+            parts = {name: convs}
+            if trained is not None:
+                seen, rest = split_by_training(convs, trained)
+                if seen:
+                    log.warning(
+                        "eval: %d of %d prompts of '%s' were in this run's training data; "
+                        "their tau is reported apart (%s:trained, %s:unseen)",
+                        len(seen),
+                        len(convs),
+                        name,
+                        name,
+                        name,
+                    )
+                    parts = {f"{name}:trained": seen, f"{name}:unseen": rest}
+        for key, part in parts.items():
+            if not part:
+                continue
+            log.info("eval: %s, %d conversations, block %d", key, len(part), block_size)
+            results[key] = run_conversations(
+                target,
+                drafter,
+                part,
+                cfg.eval.max_new_tokens,
+                block_size,
+                cfg.eval.temperature,
+                cfg.eval.top_p,
+                cfg.target.enable_thinking,
+                seed=cfg.eval.seed,
+            )
     return results

@@ -222,15 +222,23 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     r.lines(
         "accept_len.png",
         "Acceptance length: training estimate vs held-out decoding",
-        [("tokens", k(r"^drafter/accept_len$") + _keys(events, r"^eval/(tau|best_tau)$"), "")],
+        [
+            (
+                "tokens",
+                k(r"^drafter/accept_len$") + _keys(events, r"^eval/(tau|tau_sim|best_tau)$"),
+                "",
+            )
+        ],
         x="step",
         xlabel="drafter step",
         rows=rows + events,
         note="drafter/accept_len: expected accepted length per block on training batches "
         "(correct-prefix length + 1, computed on device). eval/tau: tokens per target "
-        "forward when the drafter actually decodes held-out prompts (pipeline.eval). The "
-        "two should track each other; a training estimate far above tau means the drafter "
-        "does not generalise or training and inference disagree.",
+        "forward when the drafter actually decodes held-out prompts (validation prompts "
+        "during training, every reported held-out prompt at the end). eval/tau_sim: the "
+        "draft-verify loop replayed on the held-out responses, aggregated like tau; it "
+        "should sit on eval/tau. A training estimate far above tau means the drafter does "
+        "not generalise or training and inference disagree.",
     )
     r.lines(
         "padding.png",

@@ -113,6 +113,9 @@ class TrainResult:
     metrics: dict = field(default_factory=dict)  # last monitor snapshot
     history: list = field(default_factory=list)  # (step, drafter metrics) from the ring
     balance: str = ""  # which stage bounded the run, and advice
+    # the end-of-run evaluation on every reported held-out prompt (eval.at_end): eval/tau,
+    # eval/tau/<source>, eval/tau_sim, eval/tau_sim_gap, ...; empty when none ran
+    eval: dict = field(default_factory=dict)
 
 
 def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler:
@@ -538,6 +541,24 @@ class Trainer:
         )
         return balance
 
+    def _evaluate_at_end(self, reason: str) -> dict:
+        """The validation subset once more (best/ sees the final drafter), then every reported
+        held-out prompt (eval.at_end). Rank 0 only; skipped after a signal."""
+        if self.rank != 0 or reason == "signal":
+            return {}
+        step = self.loop.state.step
+        if self.cfg.eval.every_steps:
+            rec = self.evaluator.run(step)
+            if rec:
+                self.mon.log_event(rec, step)
+        if not self.cfg.eval.at_end:
+            return {}
+        rec = self.evaluator.final(step)
+        if not rec:
+            return {}
+        self.mon.log_event(rec, step)
+        return rec
+
     def _export_final(self) -> Path | None:
         if self.rank != 0:
             return None
@@ -568,10 +589,7 @@ class Trainer:
             ck = self.checkpoint_now()
             if self.dist is not None and self.rank == 0:
                 merged.update(merge_snapshots(self.dist.snapshots(), self.parts.world_size))
-            if self.cfg.eval.every_steps and self.rank == 0 and reason != "signal":
-                rec = self.evaluator.run(self.loop.state.step)
-                if rec:
-                    self.mon.log_event(rec, self.loop.state.step)
+            final_eval = self._evaluate_at_end(reason)
             export_dir = self._export_final()
         finally:
             if self.bar is not None:
@@ -587,6 +605,7 @@ class Trainer:
             final_metrics.update(merged)
             if self.own_monitor:
                 self.mon.close()
+            self.evaluator.close()
             self._release()
         st = self.loop.state
         return TrainResult(
@@ -600,6 +619,7 @@ class Trainer:
             metrics=final_metrics,
             history=history,
             balance=balance,
+            eval=final_eval,
         )
 
 
