@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trainer.bench_harness import cpu_model
 from dflash_trainer.config import load_config, set_value
 from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.eval.specdecode import quick_acceptance
@@ -117,7 +117,7 @@ def main() -> None:
             f"| {c['recipe']} | {c['budget_s']:.0f} | {c['steps']} | {c['tau']:.3f} "
             f"| {c.get('tau_sim', float('nan')):.3f} |"
         )
-    summary = {"machine": platform.processor() or platform.machine(), "cells": cells}
+    summary = {"machine": cpu_model(), "cells": cells}
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.models.precision import cpu_has_native_bf16
 
 
 def find_bench_dir(start: Path | None = None) -> Path:
@@ -158,6 +159,19 @@ def rows_checkpoint(s):
     ]
 
 
+def rows_dtype(s):
+    return [
+        _row(
+            "tapped target forward (4 x 512), embedded target",
+            "bf16",
+            "fp32",
+            s["bf16_vs_fp32"],
+            note=f"{s['bf16_tok_s']} vs {s['fp32_tok_s']} tok/s; native bf16 "
+            f"{s['native_bf16']}: dtype=auto picks {s['auto_picks']}",
+        )
+    ]
+
+
 ADAPTERS = {
     "bench_batching.py": (rows_batching, []),
     "bench_attention.py": (rows_attention, ["--quick"]),
@@ -165,15 +179,27 @@ ADAPTERS = {
     "bench_flops.py": (rows_flops, []),
     "bench_pipeline.py": (rows_pipeline, []),
     "bench_checkpoint.py": (rows_checkpoint, ["--params-m", "25"]),
+    "bench_dtype.py": (rows_dtype, ["--repeats", "2"]),
 }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (e.g. 'AMD EPYC', 'Intel Xeon ...') and whether it has native bf16
+    matmuls (AVX512-BF16/AMX): benchmark ratios depend on both."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({'native bf16' if cpu_has_native_bf16() else 'no native bf16'})"
 
 
 def machine() -> str:
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU threads, {dev}, "
-        f"torch {torch.__version__}"
-    )
+    return f"{cpu_model()}, {os.cpu_count()} CPU threads, {dev}, torch {torch.__version__}"
 
 
 def run_all(bdir: Path, quick: bool = False, only: list[str] | None = None) -> list[dict]:
