@@ -2,8 +2,8 @@
 
 For each recipe and each budget, train on the embedded default (the target's own answers to
 MT-Bench + HumanEval, cached by `make demo` or the first run here) with `optim.time_budget_s`,
-then measure acceptance length on every held-out prompt (greedy, block 16, fp32 decoding) and
-the training-time estimate `eval/tau_sim` where the run logs it.
+then take the run's own end-of-run evaluation: acceptance length on every reported held-out
+prompt (greedy, block 16, eval.dtype: fp32 on CPU), per source, with `eval/tau_sim` beside it.
 
 Recipes: the default (preset smollm2-cpu as shipped) and the default without each lever:
   random-init   drafter.init=random instead of target
@@ -26,13 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from dflash_trainer.bench_harness import cpu_model
 from dflash_trainer.config import load_config, set_value
 from dflash_trainer.data.prepare import prepare_data
-from dflash_trainer.eval.specdecode import quick_acceptance
-from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.run import train
 
@@ -44,20 +40,13 @@ RECIPES = {
 }
 
 
-def heldout_prompts(heldout) -> list[list[int]]:
-    """Prompt ids of every held-out example: the tokens before its first supervised one."""
-    out = []
-    for ids, mask in zip(heldout.input_ids, heldout.loss_mask, strict=True):
-        first = int(mask.argmax()) if mask.any() else 0
-        if first > 0:
-            out.append([int(t) for t in ids[:first]])
-    return out
-
-
 def run_cell(recipe: str, budget: float, args, root: Path) -> dict:
+    """Train one recipe for `budget` seconds; its end-of-run evaluation decodes every reported
+    held-out prompt (tau per source, tau_sim beside it; run/evaluation.py)."""
     cfg = load_config(preset="smollm2-cpu")
     cfg.run_dir = str(root / f"{recipe}-{int(budget)}")
     set_value(cfg, "optim.time_budget_s", str(budget))
+    set_value(cfg, "eval.max_new_tokens", str(args.max_new_tokens))
     for k, v in RECIPES[recipe].items():
         set_value(cfg, k, v)
     cfg.metrics.wandb, cfg.metrics.tensorboard, cfg.metrics.console = "off", False, False
@@ -65,28 +54,21 @@ def run_cell(recipe: str, budget: float, args, root: Path) -> dict:
     train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
     t0 = time.monotonic()
     res = train(cfg, target=target, train_set=train_set, heldout=heldout)
-    train_s = time.monotonic() - t0
-    # Decode in fp32 whatever the training dtype: exact, and the fast path on CPUs.
-    target.model.float()
-    drafter = load_drafter(res.export_dir, "cpu").float()
-    prompts = heldout_prompts(heldout)
-    t1 = time.monotonic()
-    q = quick_acceptance(
-        target, drafter, prompts, args.max_new_tokens, cfg.eval.block_size or cfg.drafter.block_size
-    )
+    ev = res.eval
     cell = {
         "recipe": recipe,
         "budget_s": budget,
         "steps": res.steps,
-        "train_s": round(train_s, 1),
+        "train_s": round(res.wall_s, 1),
         "tokens": res.tokens,
-        "tau": round(q["tau"], 4),
-        "prompts": len(prompts),
-        "eval_s": round(time.monotonic() - t1, 1),
+        "tau": round(ev.get("eval/tau", float("nan")), 4),
+        "tau_sim": round(ev.get("eval/tau_sim", float("nan")), 4),
+        "prompts": ev.get("eval/prompts", 0),
+        "per_source": {
+            k.split("/")[-1]: round(v, 4) for k, v in ev.items() if k.startswith("eval/tau/")
+        },
+        "total_s": round(time.monotonic() - t0, 1),
     }
-    sim = res.metrics.get("eval/tau_sim")
-    if sim is not None:
-        cell["tau_sim"] = round(float(sim), 4)
     print(json.dumps(cell), file=sys.stderr, flush=True)
     return cell
 
@@ -104,18 +86,21 @@ def main() -> None:
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:
         ap.error(f"unknown recipe(s) {unknown}; choose from {sorted(RECIPES)}")
-    torch.set_num_threads(torch.get_num_threads())
     cells = []
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         for budget in budgets:
             for recipe in recipes:
                 cells.append(run_cell(recipe, budget, args, Path(tmp)))
-    print(f"| recipe | budget s | steps | tau (held-out, {args.max_new_tokens} tokens) | tau_sim |")
-    print("|---|---|---|---|---|")
+    print(
+        f"| recipe | budget s | steps | tau (held-out, {args.max_new_tokens} tokens) | per source "
+        "| tau_sim |"
+    )
+    print("|---|---|---|---|---|---|")
     for c in cells:
+        per = ", ".join(f"{k} {v:.3f}" for k, v in sorted(c["per_source"].items()))
         print(
-            f"| {c['recipe']} | {c['budget_s']:.0f} | {c['steps']} | {c['tau']:.3f} "
-            f"| {c.get('tau_sim', float('nan')):.3f} |"
+            f"| {c['recipe']} | {c['budget_s']:.0f} | {c['steps']} | {c['tau']:.3f} | {per} "
+            f"| {c['tau_sim']:.3f} |"
         )
     summary = {"machine": cpu_model(), "cells": cells}
     if args.json:
