@@ -222,8 +222,10 @@ class Trainer:
         self.mon = self._build_monitor(monitor)
         self.bar = None
         if observe and self.rank == 0 and cfg.metrics.console:
+            # With a time budget the step count is not known in advance (total_steps is only
+            # the epochs' cap): the bar counts steps and its postfix shows the time left.
             self.bar = tqdm(
-                total=parts.total_steps,
+                total=None if parts.budget is not None else parts.total_steps,
                 initial=self.start_steps,
                 desc="train",
                 unit="step",
@@ -432,7 +434,11 @@ class Trainer:
             self.dist.check_peers(self.events)  # a peer's failure stops this rank, naming it
         if self.bar is not None:
             self.bar.n = self.loop.state.step
-            self.bar.set_postfix_str(_postfix(self.mon.latest()), refresh=False)
+            post = _postfix(self.mon.latest())
+            budget = self.parts.budget
+            if budget is not None:
+                post += f" left={max(0.0, budget.seconds - budget.used()):.0f}s"
+            self.bar.set_postfix_str(post.strip(), refresh=False)
             self.bar.refresh()
 
     # ------------------------------------------------------------------ checkpoints
