@@ -3,6 +3,7 @@
 number, --resume-from PATH."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.errors import UserError
 from dflash_trainer.run import train
 from dflash_trainer.run.rundir import earlier_run, prepare
+from test_bad_input import GOOD, _train, model_dir  # noqa: F401  (model_dir: a fixture)
 from tiny import tiny_config, tiny_dataset, tiny_target
 
 
@@ -167,34 +169,20 @@ def test_flags_overwrite_resume_from_and_their_conflict(tmp_path):
         load_config(None, None, ["--overwrite", "--checkpoint.resume"])
 
 
-def test_cli_second_train_refused_then_overwrite(tmp_path, capsys):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from conftest import CHATML_SPECIALS, CHATML_TEMPLATE, word_tokenizer
-    from test_bad_input import GOOD, _train
-
-    model_dir = tmp_path / "model"
-    tok = word_tokenizer(CHATML_SPECIALS, CHATML_TEMPLATE)
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok) + 8,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        )
-    ).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+def test_cli_second_train_refused_then_overwrite(model_dir, tmp_path, capsys, caplog):  # noqa: F811
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join([json.dumps(GOOD)] * 8) + "\n")
     assert _train(model_dir, tmp_path, f"--data.sources={data}") == 0
     capsys.readouterr()
+    log_before = (tmp_path / "run" / "train.log").read_text()
     assert _train(model_dir, tmp_path, f"--data.sources={data}") == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--overwrite" in err
-    assert _train(model_dir, tmp_path, f"--data.sources={data}", "--overwrite") == 0
-    out = capsys.readouterr().out
-    assert "moved the earlier run in" in out and "run.old-" in out
+    assert "last-error.log" in err  # the earlier run's train.log gets nothing
+    assert (tmp_path / "run" / "train.log").read_text() == log_before
+    with caplog.at_level(logging.INFO, logger="dflash_trainer"):
+        assert _train(model_dir, tmp_path, f"--data.sources={data}", "--overwrite") == 0
+    said = [r.getMessage() for r in caplog.records if "moved the earlier run in" in r.getMessage()]
+    assert len(said) == 1 and "run.old-" in said[0]
+    (moved,) = tmp_path.glob("run.old-*")
+    assert (moved / "metrics.jsonl").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()

@@ -141,6 +141,8 @@ def _setup_console_logging() -> None:
 def _write_traceback(cfg, exc: BaseException) -> Path:
     """Full traceback (and a failed stage's own traceback) into the run log, never the console."""
     run_dir = Path(cfg.run_dir) if cfg is not None else None
+    if getattr(exc, "keep_out_of_run_dir", False):  # run_dir holds another run's log
+        run_dir = None
     path = (
         (run_dir / "train.log")
         if run_dir is not None and run_dir.is_dir()

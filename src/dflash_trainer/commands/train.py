@@ -70,9 +70,7 @@ def run(cfg: Config, args) -> int:
                 "run_dir (rank 0 moves run_dir aside); copy it out first."
             )
     if rank == 0:  # one run per run_dir: refuse, resume or move aside before anything is written
-        claimed = claim(cfg)
-        if claimed.message:
-            print(f"dflash-trainer: {claimed.message}", flush=True)
+        claimed = claim(cfg)  # what it did is logged (console and, later, train.log)
         if claimed.resume_from is not None:
             cfg.checkpoint.resume_from = str(claimed.resume_from)
     handler = setup_run_logging(

@@ -37,6 +37,12 @@ MODES = ("new", "resume", "overwrite")
 RUN_FILES = ("metrics.jsonl", "ledger.jsonl", "export", "best")
 
 
+class RunDirInUse(UserError):
+    """run_dir holds another run. Its traceback is not appended to that run's train.log."""
+
+    keep_out_of_run_dir = True
+
+
 def earlier_run(run_dir) -> list[str]:
     """What in `run_dir` belongs to an earlier run, in words ([]: nothing)."""
     d = Path(run_dir)
@@ -114,7 +120,7 @@ def _prepare(run_dir, mode: str) -> tuple[str, Path | None]:
         dest = move_aside(run_dir)
         msg = f"moved the earlier run in {run_dir} ({', '.join(found)}) aside to {dest}"
     else:
-        raise UserError(refusal(run_dir, found))
+        raise RunDirInUse(refusal(run_dir, found))
     log.info("%s", msg)
     return msg, dest
 
@@ -155,7 +161,7 @@ def claim(cfg: Config) -> Claim:
         return Claim("", latest)  # the run directory's own latest: a plain resume
     found = earlier_run(run_dir)
     if found and not cfg.overwrite:
-        raise UserError(
+        raise RunDirInUse(
             f"--resume-from {src}: run_dir {run_dir} already holds another run "
             f"({', '.join(found)}); starting from {src.name} there would mix the two. Write the "
             "new run elsewhere with --run_dir=NEW_DIR, or move the earlier run aside with "
