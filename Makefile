@@ -30,7 +30,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
-	$(VENV)/bin/lint-imports
+	PYTHONPATH=src $(VENV)/bin/lint-imports  # this checkout's package, not the editable install's
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests bench
