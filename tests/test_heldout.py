@@ -295,3 +295,19 @@ def test_truncated_answers_end_without_end_of_turn(tmp_path, chatml_tokenizer):
     text, spans = render_with_spans(tok, convs[1].messages, open_last=True)
     assert text.endswith("word word") and text[spans[-1][0] : spans[-1][1]].endswith("word")
     assert _tokens(tok, text)[-1] != eot
+
+
+def test_run_conversations_decodes_in_the_given_dtype():
+    """The demo's helper: a bf16 target and drafter decode on float32 copies when asked."""
+    from dflash_trainer.models.target import TargetModel
+    from test_specdecode import FakeTokenizer, _real_drafter
+    from test_specdecode import tiny_target as hf_target
+
+    model = hf_target("llama", seed=2).to(torch.bfloat16)
+    target = TargetModel.from_hf(model, FakeTokenizer(), [0, 2])
+    drafter = _real_drafter(model, block_size=4).to(torch.bfloat16)
+    convs = [("a", [{"role": "user", "content": "hi"}])]
+    s = sd.run_conversations(target, drafter, convs, 6, 4, 0.0, 1.0, False, dtype=torch.float32)
+    assert s.decode_dtype == "float32" and s.lossless is True
+    assert next(drafter.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.bfloat16

@@ -43,7 +43,7 @@ from dflash_trainer.data.chat import prompt_ids
 from dflash_trainer.data.prepare import prompt_hash
 from dflash_trainer.data.sources import BadRecord, parse_record
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval.dtype import dtype_label, model_dtype
+from dflash_trainer.eval.dtype import drafter_in, dtype_label, model_dtype, target_in
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache, tap_outputs
@@ -676,9 +676,15 @@ def run_conversations(
     top_p: float,
     enable_thinking: bool,
     seed: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> EvalSummary:
     """Answer every user turn of each conversation in order (multi-turn, like the z-lab benchmark):
-    each turn is one response; the history carries the spec-decoded answers, not the file's own."""
+    each turn is one response; the history carries the spec-decoded answers, not the file's own.
+
+    dtype: decode in this dtype (eval.dtype resolved, eval/dtype.py: eval_dtype), on cast copies
+    of target and drafter where they differ; None = as given."""
+    if dtype is not None:
+        target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
     tok = target.tokenizer
     spec, ar, gaps = [], [], []
     for ci, (_cid, msgs) in enumerate(convs):
