@@ -20,7 +20,6 @@ from dflash_trainer.eval.specdecode import (
     ar_generate,
     choose_tokens,
     evaluate,
-    quick_acceptance,
     spec_generate,
 )
 
@@ -420,7 +419,7 @@ def test_summarize_conventions():
     assert position_acceptance([1, 0], [2, 3], 4) == [0.5, 0.0, 0.0]
 
 
-def test_evaluate_and_quick_acceptance():
+def test_evaluate_with_and_without_baseline():
     model = tiny_target("llama")
     t = side(model)
     prompts = [[5, 17, 42, 9], [3, 3, 8]]
@@ -438,8 +437,8 @@ def test_evaluate_and_quick_acceptance():
     assert s.num_responses == 2 and s.lossless is True
     assert s.tau == pytest.approx(11 / 3)  # [4, 4, 3] per prompt
     assert s.speedup is not None and s.speedup > 0 and s.ar_tpot > 0
-    q = quick_acceptance(t, Multi([], 0, 16), prompts, 12, 4)
-    assert q["tau"] == pytest.approx(11 / 3) and q["num_prompts"] == 2
+    q = evaluate(t, Multi([], 0, 16), prompts, 12, 4, baseline=False, warmup=False)
+    assert q.tau == pytest.approx(11 / 3) and q.num_responses == 2 and q.speedup is None
 
 
 # ------------------------------------------------------------------------ the real drafter

@@ -19,8 +19,8 @@ and an AR run with the same seed emit the same tokens: losslessness is tested ex
 statistically.
 
 Per-cycle host syncs (`.tolist()`) are inherent here: the accepted length decides control flow. This
-module is eval-only; it never runs inside a training step except through `quick_acceptance`, which
-the training loop calls between steps.
+module is eval-only; it never runs inside a training step: periodic evaluation
+(run/evaluation.py) calls `evaluate` between steps.
 """
 
 from __future__ import annotations
@@ -563,25 +563,6 @@ def divergence_gap(model: nn.Module, prompt: torch.Tensor, a: GenResult, b: GenR
     if x is None or y is None:  # one ended on the token limit: no second choice to compare
         return 0.0
     return float((logits[x] - logits[y]).abs())
-
-
-def quick_acceptance(
-    target: Any,
-    drafter: Drafter,
-    prompts_token_ids: Sequence[Any],
-    max_new_tokens: int,
-    block_size: int,
-) -> dict[str, float]:
-    """Greedy acceptance length only (no baseline, no timing): cheap enough for training."""
-    s = evaluate(
-        target, drafter, prompts_token_ids, max_new_tokens, block_size, baseline=False, warmup=False
-    )
-    return {
-        "tau": s.tau,
-        "tau_token_weighted": s.tau_token_weighted,
-        "num_prompts": float(s.num_responses),
-        "num_cycles": float(s.num_cycles),
-    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,20 +59,6 @@ def heldout_examples(heldout, cfg: Config) -> list[HeldoutPrompt]:
     return out
 
 
-def heldout_prompts(heldout, limit: int) -> list[list[int]]:
-    """Prompt token ids of (up to `limit`) held-out examples, in the held-out set's order."""
-    out = []
-    if heldout is None:
-        return out
-    for ids, mask in zip(heldout.input_ids, heldout.loss_mask):
-        first = int(mask.argmax()) if mask.any() else 0
-        if first > 0:
-            out.append([int(t) for t in ids[:first]])
-        if len(out) >= limit:
-            break
-    return out
-
-
 def periodic_subset(examples: list[HeldoutPrompt], n: int, seed: int) -> list[HeldoutPrompt]:
     """A fixed, seeded subset of `n` validation prompts stratified by source (all when fewer)."""
     if len(examples) <= n:
