@@ -137,23 +137,23 @@ def test_kill_after_first_batch_then_resume(target, tmp_path, monkeypatch):
     generate_responses(target, PROMPTS, clean, max_new_tokens=6, batch_size=2, progress=False)
 
     out = tmp_path / "gen.jsonl"
-    real_generate = target.model.generate
+    real_decode = gen.decode_batch
     calls = []
 
     def dies_on_second_batch(*a, **k):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt("killed")
-        return real_generate(*a, **k)
+        return real_decode(*a, **k)
 
-    monkeypatch.setattr(target.model, "generate", dies_on_second_batch)
+    monkeypatch.setattr(gen, "decode_batch", dies_on_second_batch)
     with pytest.raises(KeyboardInterrupt):
         generate_responses(target, PROMPTS, out, max_new_tokens=6, batch_size=2, progress=False)
     assert len(read(out)) == 2
     # and a torn half-line, as a kill in the middle of a write would leave
     with out.open("a") as f:
         f.write('{"id": "p4", "messages": [{"ro')
-    monkeypatch.setattr(target.model, "generate", real_generate)
+    monkeypatch.setattr(gen, "decode_batch", real_decode)
     stats = generate_responses(target, PROMPTS, out, max_new_tokens=6, batch_size=2, progress=False)
     assert stats["skipped_done"] == 2 and stats["written"] == 3
     recs = read(out)  # every line parses

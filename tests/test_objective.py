@@ -313,7 +313,7 @@ def test_hand_written_linear_ce_matches_autograd(autocast):
         )
         ref_num = (ce.view_as(wm) * wm).sum()
         (ref_grad,) = torch.autograd.grad(ref_num, hh)
-        num, den, correct, grad_h = _linear_ce(
+        num, den, correct, _, grad_h = _linear_ce(
             h, weight, labels, wm > 0, lambda ce, valid: wm, need_grad=True
         )
     tol = dict(atol=2e-2, rtol=2e-2) if autocast else {}
@@ -419,3 +419,123 @@ def test_feature_noise_is_relative_to_each_tap_and_training_only():
     ]
     assert not torch.allclose(runs[0], runs[1])
     torch.testing.assert_close(runs[1], runs[2])
+
+
+# ------------------------------------------------------------------------- logit distillation
+
+
+def _teacher(B=3, S=20, seed=7):
+    """Stand-in target final hidden states [B,S,H] (scaled so its softmax is not flat)."""
+    return 3.0 * torch.randn(B, S, H, generator=torch.Generator().manual_seed(seed))
+
+
+def _kd_reference(obj, drafter, embed, lm_head, feats, ids, lm, t_hidden, g_seed):
+    """Dense KD: full drafter logits and the target's logits at position a+k-1 for slot k,
+    plain F.kl_div at temperature T, mixed with CE, exp-decay weights, weighted mean."""
+    lam, T = obj.kd_weight, obj.kd_temperature
+    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(g_seed))
+    blocks = obj.build_blocks(ids, anchors, valid)
+    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
+    num, den = 0.0, 0.0
+    S = ids.shape[1]
+    for b in range(ids.shape[0]):
+        for j in range(anchors.shape[1]):
+            if not valid[b, j]:
+                continue
+            a = int(anchors[b, j])
+            for k in range(1, BS):
+                if a + k < S and lm[b, a + k]:
+                    w = math.exp(-(k - 1) / obj.gamma)
+                    z = lm_head(hidden[b, j * BS + k])[None]
+                    zt = lm_head(t_hidden[b, a + k - 1])[None]
+                    ce = F.cross_entropy(z, ids[b, a + k][None])
+                    kl = F.kl_div(
+                        F.log_softmax(z / T, -1),
+                        F.log_softmax(zt / T, -1),
+                        log_target=True,
+                        reduction="sum",
+                    ) * (T * T)
+                    num = num + w * ((1 - lam) * ce + lam * kl)
+                    den += w
+    return num / den
+
+
+@pytest.mark.parametrize(
+    "chunk,lam,T,wrap",
+    [
+        (1, 0.5, 1.0, False),
+        (3, 1.0, 2.0, False),
+        (0, 0.3, 0.7, False),
+        (3, 0.5, 2.0, True),
+    ],
+)
+def test_kd_loss_and_grads_match_dense_reference(chunk, lam, T, wrap):
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    t_hidden = _teacher()
+    head = torch.nn.Sequential(lm_head) if wrap else lm_head  # generic path vs Linear path
+    obj = DFlashObjective(
+        BS,
+        num_anchors=8,
+        mask_token_id=MASK,
+        chunk_blocks=chunk,
+        kd_weight=lam,
+        kd_temperature=T,
+    )
+    out = obj(drafter, embed, head, feats, ids, lm, torch.Generator().manual_seed(5), t_hidden)
+    ref = _kd_reference(obj, drafter, embed, lm_head, feats, ids, lm, t_hidden, 5)
+    torch.testing.assert_close(out.loss, ref)
+    params = list(drafter.parameters())
+    for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
+        torch.testing.assert_close(a, b)
+    names = out.metric_names
+    ce, kd = out.metrics[names.index("ce")], out.metrics[names.index("kd")]
+    torch.testing.assert_close((1 - lam) * ce + lam * kd, out.loss.detach())
+    assert kd > 0
+
+
+def test_kd_needs_the_target_hidden_states_and_is_off_by_default():
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=4, mask_token_id=MASK, kd_weight=0.5)
+    with pytest.raises(ValueError, match="final hidden states"):
+        obj(drafter, embed, lm_head, feats, ids, lm)
+    plain = DFlashObjective(BS, num_anchors=4, mask_token_id=MASK)
+    assert "kd" not in plain.metric_names
+    with pytest.raises(ValueError, match="kd_weight"):
+        DFlashObjective(BS, 4, kd_weight=1.5)
+
+
+def test_kd_with_a_teacher_equal_to_the_drafter_is_pure_ce_gradient_free_kl():
+    """KL(p || p) = 0 and its gradient vanishes: with the drafter's own hidden states as the
+    teacher, the KD term adds nothing (checks the sign and the position shift of the teacher)."""
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK, kd_weight=1.0)
+    g = torch.Generator().manual_seed(3)
+    anchors, valid = obj.sample_anchors(lm, g)
+    blocks = obj.build_blocks(ids, anchors, valid)
+    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
+    labels, lv = obj.build_labels(ids, lm, anchors, valid)
+    teacher = hidden.detach().view(3, 6, BS, H)[:, :, 1:]
+    out = obj.loss_from_hidden(hidden, lm_head, labels, lv, valid, teacher)
+    torch.testing.assert_close(out.loss, torch.zeros(()), atol=1e-5, rtol=0)
+    (g_h,) = torch.autograd.grad(out.loss, hidden)
+    torch.testing.assert_close(g_h, torch.zeros_like(g_h), atol=1e-6, rtol=0)
+    # teacher_hidden picks position a + k - 1 for slot k
+    th = torch.arange(20.0)[None, :, None].expand(3, 20, H)
+    t = obj.teacher_hidden(th, anchors)
+    assert t[0, 0, 0, 0] == anchors[0, 0] and t[0, 0, 2, 0] == anchors[0, 0] + 2
+
+
+def test_no_host_sync_with_kd():
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK, chunk_blocks=2, kd_weight=0.5)
+    counter = _SyncCounter()
+    with counter:
+        out = obj(
+            drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(0), _teacher()
+        )
+        out.loss.backward()
+    assert counter.hits == []

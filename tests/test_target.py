@@ -172,6 +172,25 @@ def test_layers_after_last_tap_do_not_run(build):
         h.remove()
 
 
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_final_hidden_states_for_distillation(build):
+    """features(final=True): the same taps, plus the final normed hidden states (what the LM
+    head reads), from every layer and the norm but never the LM head over the sequence."""
+    model = build(layers=4)
+    target = TargetModel.from_hf(model, None, [0, 1])
+    ids, mask = _padded_batch()
+    calls, handles = _count_layer_calls(model)
+    feats, final = target.features(ids, mask, final=True)
+    assert calls == {0: 1, 1: 1, 2: 1, 3: 1, "norm": 1, "lm_head": 0}
+    for h in handles:
+        h.remove()
+    assert_close(feats, target.features(ids, mask), atol=0, rtol=0)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert_close(final, ref.hidden_states[-1], atol=0, rtol=0)
+    assert_close(model.lm_head(final), ref.logits, atol=1e-5, rtol=1e-5)
+
+
 def test_attributes_and_frozen():
     model = tiny_qwen3()
     model.train()

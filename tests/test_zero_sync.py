@@ -56,8 +56,12 @@ class CountHostReads(TorchDispatchMode):
 
 @pytest.mark.parametrize(
     "objective",
-    [{}, {"drafter.weighting": "dpace", "drafter.feature_noise": 0.05}],
-    ids=["decay", "dpace+noise"],
+    [
+        {},
+        {"drafter.weighting": "dpace", "drafter.feature_noise": 0.05},
+        {"drafter.kd_weight": 0.5, "drafter.kd_temperature": 2.0},
+    ],
+    ids=["decay", "dpace+noise", "kd"],
 )
 def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch, objective):
     hits: list = []
@@ -87,6 +91,8 @@ def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch, objective):
     m = res.metrics
     assert any(k.startswith("drafter/") for k in m) and any(k.startswith("queue/") for k in m)
     assert "batch/padding_eff" in m and any(k.startswith("worker/target0/") for k in m)
+    if objective.get("drafter.kd_weight"):  # the KD path really ran: its terms were logged
+        assert m.get("drafter/kd", 0) > 0 and m.get("drafter/ce", 0) > 0
     steady = [h for h in hits if h[1] >= 1]
     assert steady == [], Counter((w, op) for w, _, op in steady)
 

@@ -172,6 +172,50 @@ def rows_dtype(s):
     ]
 
 
+def rows_generate(s):
+    note = (
+        f"{s['tok_s']['ours']} vs {s['tok_s']['hf_generate']} (HF generate) vs "
+        f"{s['tok_s']['one_at_a_time']} (one at a time) tok/s; {s['prompts']} prompts x <= "
+        f"{s['max_new_tokens']} tokens, batch {s['batch_size']}"
+    )
+    return [
+        _row(
+            "answer generation, embedded target",
+            "ours",
+            "one at a time",
+            s["ours_vs_one_at_a_time"],
+            note=note,
+        ),
+        _row(
+            "answer generation, embedded target",
+            "ours",
+            "HF generate",
+            s["ours_vs_hf_generate"],
+            note=note,
+        ),
+    ]
+
+
+def rows_kd(s):
+    shape = f"{s['rows']} x {s['seq']}, {s['anchors']} anchors/row"
+    return [
+        _row(
+            f"target stage, logit distillation ({shape})",
+            "KD",
+            "CE",
+            s["target_kd_vs_ce"],
+            note=f"{s['target_tok_s']['kd']} vs {s['target_tok_s']['ce']} tok/s",
+        ),
+        _row(
+            f"drafter step, logit distillation ({shape})",
+            "KD",
+            "CE",
+            s["drafter_kd_vs_ce"],
+            note=f"{s['drafter_tok_s']['kd']} vs {s['drafter_tok_s']['ce']} tok/s",
+        ),
+    ]
+
+
 ADAPTERS = {
     "bench_batching.py": (rows_batching, []),
     "bench_attention.py": (rows_attention, ["--quick"]),
@@ -180,6 +224,8 @@ ADAPTERS = {
     "bench_pipeline.py": (rows_pipeline, []),
     "bench_checkpoint.py": (rows_checkpoint, ["--params-m", "25"]),
     "bench_dtype.py": (rows_dtype, ["--repeats", "2"]),
+    "bench_kd.py": (rows_kd, ["--repeats", "1", "--seq", "256"]),
+    "bench_generate.py": (rows_generate, ["--prompts", "8", "--max-new-tokens", "32"]),
 }
 
 

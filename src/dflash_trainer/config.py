@@ -203,6 +203,18 @@ class DrafterConfig:
         "tapped vector's RMS (e.g. 0.05); 0 = off",
         min=0.0,
     )
+    kd_weight: float = _f(
+        0.0,
+        "logit distillation: each slot's loss is (1 - w) * CE + w * T^2 * KL(target || drafter), "
+        "the target's own next-token distribution at that position (its final hidden state "
+        "through the LM head, computed only at drafted slots, chunk by chunk); 0 = off (the "
+        "target forward then stops at its last tapped layer), 1 = pure KD",
+        min=0.0,
+        max=1.0,
+    )
+    kd_temperature: float = _f(
+        1.0, "softmax temperature T of both distributions in the KD term", min=0.01
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -29,7 +29,7 @@ from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.embedded import cache_root
 from dflash_trainer.models.precision import dtype_name
-from dflash_trainer.models.target import TargetModel
+from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -147,39 +147,98 @@ def _todo(prompts, done: set, tokenizer, enable_thinking: bool) -> list[tuple]:
     return todo
 
 
-def _generation_config(tok, eos: list[int], pad_id: int, max_new_tokens, temperature, top_p):
-    # A fresh GenerationConfig: the model's own (e.g. Qwen3's sampling defaults) must not leak in.
-    from transformers import GenerationConfig  # transformers: heavy, imported when used
+def _choose(logits: torch.Tensor, temperature: float, top_p: float, gen) -> torch.Tensor:
+    """Next token per row from logits [R, V]: argmax, or a temperature/top-p sample."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the top token is always kept
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
 
-    sample = temperature > 0
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        eos_token_id=eos or None,
-        pad_token_id=pad_id,
-        bos_token_id=tok.bos_token_id,
-        **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}),
+
+@torch.no_grad()
+def decode_batch(
+    model,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    stop_ids,
+    pad_id: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    gen: torch.Generator | None = None,
+) -> list[tuple[list[int], bool]]:
+    """(new tokens, ended on a stop id) per prompt row: one left-padded prefill for all rows,
+    then one forward per step for the rows still running. A row leaves the batch when it ends
+    (its KV cache rows are dropped), so long answers do not keep short ones' compute busy: half
+    the embedded answers stop early. The stop id itself is not in the returned tokens."""
+    device = next(model.parameters()).device
+    ids, mask = _left_pad(rows, pad_id, device)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache, kw = new_kv_cache(model), cache_kwarg(model)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        **{kw: cache},
+        use_cache=True,
+        logits_to_keep=1,
     )
+    nxt = _choose(out.logits[:, -1], temperature, top_p, gen)
+    stop = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
+    live = list(range(len(rows)))  # original row of each batch row
+    last = pos[:, -1]
+    tokens: list[list[int]] = [[] for _ in rows]
+    stopped = [False] * len(rows)
+    for step in range(max_new_tokens):
+        ends = torch.isin(nxt, stop)
+        for r, t, e in zip(live, nxt.tolist(), ends.tolist()):  # one host read per step
+            if e:
+                stopped[r] = True
+            else:
+                tokens[r].append(t)
+        keep = [i for i, (r, e) in enumerate(zip(live, ends.tolist())) if not e]
+        if step + 1 == max_new_tokens or not keep:
+            break
+        if len(keep) < len(live):
+            sel = torch.tensor(keep, device=device)
+            cache.batch_select_indices(sel)
+            mask, nxt, last = mask[sel], nxt[sel], last[sel]
+            live = [live[i] for i in keep]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+        last = last + 1
+        out = model(
+            input_ids=nxt[:, None],
+            attention_mask=mask,
+            position_ids=last[:, None],
+            **{kw: cache},
+            use_cache=True,
+        )
+        nxt = _choose(out.logits[:, -1], temperature, top_p, gen)
+    return list(zip(tokens, stopped))
 
 
-def _generate_batch(target, chunk, gen_cfg, pad_id, eos_t, seed, provenance) -> tuple[list, int]:
+def _generate_batch(target, chunk, settings, pad_id, seed, provenance) -> tuple[list, int]:
     """Records for one batch of prompts, and the new tokens they hold."""
     tok = target.tokenizer
-    ids, mask = _left_pad([t[2] for t in chunk], pad_id, target.device)
     # Seeded per batch from its first id, so a sampled batch does not depend on the ones
     # before it (resumed runs stay reproducible when the batches line up).
-    torch.manual_seed(seed ^ zlib.crc32(chunk[0][0].encode()))
-    with torch.no_grad():
-        out = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
-    new = out[:, ids.shape[1] :]
-    # One host copy per batch (this is a CLI loop, not a training step).
-    is_eos = torch.isin(new, eos_t)
-    has_eos = is_eos.any(dim=1)
-    n_tok = torch.where(has_eos, is_eos.int().argmax(dim=1), new.shape[1])
-    new_l, n_l, eos_l = new.cpu().tolist(), n_tok.cpu().tolist(), has_eos.cpu().tolist()
+    gen = torch.Generator(device=target.device).manual_seed(seed ^ zlib.crc32(chunk[0][0].encode()))
+    decoded = decode_batch(
+        target.model,
+        [t[2] for t in chunk],
+        settings["max_new_tokens"],
+        target.eos_token_ids,
+        pad_id,
+        settings["temperature"],
+        settings["top_p"],
+        gen,
+    )
     records, new_tokens = [], 0
-    for (pid, msgs, _), row, n, stopped in zip(chunk, new_l, n_l, eos_l):
-        text = tok.decode(row[:n], skip_special_tokens=True)
+    for (pid, msgs, _), (row, stopped) in zip(chunk, decoded):
+        text = tok.decode(row, skip_special_tokens=True)
         records.append(
             {
                 "id": pid,
@@ -187,7 +246,7 @@ def _generate_batch(target, chunk, gen_cfg, pad_id, eos_t, seed, provenance) -> 
                 "provenance": {**provenance, "finish_reason": "stop" if stopped else "length"},
             }
         )
-        new_tokens += n + int(stopped)
+        new_tokens += len(row) + int(stopped)
     return records, new_tokens
 
 
@@ -239,8 +298,7 @@ def generate_responses(
     tok = target.tokenizer
     eos = list(target.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
-    eos_t = torch.tensor(eos or [-1], device=target.device)
-    gen_cfg = _generation_config(tok, eos, pad_id, max_new_tokens, temperature, top_p)
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
     bar = None
     if progress:
         bar = tqdm(
@@ -255,9 +313,7 @@ def generate_responses(
     try:
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
-            records, new_tokens = _generate_batch(
-                target, chunk, gen_cfg, pad_id, eos_t, seed, provenance
-            )
+            records, new_tokens = _generate_batch(target, chunk, settings, pad_id, seed, provenance)
             stats["new_tokens"] += new_tokens
             _append_records(path, records)
             stats["written"] += len(records)

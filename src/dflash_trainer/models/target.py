@@ -288,24 +288,32 @@ class TargetModel:
     # ------------------------------------------------------------------ forwards
 
     def features(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """[B,S] token ids -> [B,S,n*H] tapped layer outputs concatenated in `layer_ids` order.
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        final: bool = False,
+    ):
+        """[B,S] token ids -> [B,S,n*H] tapped layer outputs concatenated in `layer_ids` order;
+        with `final`, also [B,S,H] the final normed hidden states (what the LM head reads: logit
+        distillation needs them at the drafted positions).
 
         Runs under no_grad (not inference_mode: the drafter saves these tensors for its backward,
-        which inference tensors forbid). Stops after the last tapped layer.
+        which inference tensors forbid). Without `final` it stops after the last tapped layer.
         """
-        self._begin(stop=True)
+        self._begin(stop=not final)
+        out = None
         try:
             with torch.no_grad():
-                self._backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                out = self._backbone(
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+                )
         except _StopForward:
             pass
         finally:
             feats = self._end()
         if feats is None:
             raise RuntimeError("a tapped layer did not run; the model skipped a decoder layer")
-        return feats
+        return (feats, out.last_hidden_state) if final else feats
 
     def check_taps(self, features_fn=None, seq_len: int = 32, seed: int = 0) -> float:
         """Startup integrity check of the captured features (not a hot path: it reads values).

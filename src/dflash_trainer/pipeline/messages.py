@@ -66,6 +66,8 @@ class HiddenBatch:
     num_real_tokens: int
     ready_event: object | None = None
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    # [B, S, H] the target's final normed hidden states, only for logit distillation
+    target_hidden: torch.Tensor | None = None
 
 
 @dataclass

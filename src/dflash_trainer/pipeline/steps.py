@@ -28,8 +28,15 @@ class TargetStep:
     runs with no streams and no events.
     """
 
-    def __init__(self, target, drafter_device: torch.device, feature_dtype: torch.dtype):
+    def __init__(
+        self,
+        target,
+        drafter_device: torch.device,
+        feature_dtype: torch.dtype,
+        final_hidden: bool = False,
+    ):
         self.target = target
+        self.final_hidden = final_hidden  # also hand over the final hidden states (KD)
         self.device = torch.device(target.device)
         self.drafter_device = torch.device(drafter_device)
         self.feature_dtype = feature_dtype
@@ -73,9 +80,12 @@ class TargetStep:
             # visible context (kv < anchor <= last real token). Given a 2-D padding mask, or
             # none, HF inspects it on the host (`padding_mask.all()`, packed-sequence detection:
             # device syncs); a prepared 4-D mask is used as is.
-            feats = self.target.features(ids, self._causal_mask(ids.shape[1]))
+            out = self.target.features(ids, self._causal_mask(ids.shape[1]), self.final_hidden)
+            feats, final = out if self.final_hidden else (out, None)
             t2 = time.perf_counter_ns()
             feats = feats.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
+            if final is not None:
+                final = final.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
             ids_d = ids.to(self.drafter_device, non_blocking=True)
             mask_d = b.loss_mask.to(self.drafter_device, non_blocking=True)
             self.timer.stop(tok, self.stream)
@@ -97,6 +107,7 @@ class TargetStep:
             sample_ids=b.sample_ids,
             num_real_tokens=b.num_real_tokens,
             ready_event=event,
+            target_hidden=final,
         )
 
 
@@ -145,8 +156,9 @@ class DrafterStep:
         """Consume one micro-batch. Returns True when it completed an optimizer step."""
         if hb.ready_event is not None:
             self.stream.wait_event(hb.ready_event)
-            for t in (hb.features, hb.input_ids, hb.loss_mask):
-                t.record_stream(self.stream)
+            for t in (hb.features, hb.input_ids, hb.loss_mask, hb.target_hidden):
+                if t is not None:
+                    t.record_stream(self.stream)
         if counters is not None and counters.gpu_timer is None:
             counters.gpu_timer = self.timer
         t0 = time.perf_counter_ns()
@@ -171,6 +183,7 @@ class DrafterStep:
                     hb.input_ids,
                     hb.loss_mask,
                     self.generator,
+                    hb.target_hidden,
                 )
             t1 = time.perf_counter_ns()
             (out.loss / self.grad_accum).backward()

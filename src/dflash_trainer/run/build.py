@@ -188,6 +188,8 @@ def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
         weighting=d.weighting,
         dpace_alpha=d.dpace_alpha,
         feature_noise=d.feature_noise,
+        kd_weight=d.kd_weight,
+        kd_temperature=d.kd_temperature,
     )
 
 

@@ -296,7 +296,8 @@ class Trainer:
             skip_samples=parts.resume.epoch_skip if parts.resume is not None else None,
             faults=faults,
         )
-        target_step = TargetStep(parts.target, parts.drafter_device, parts.feature_dtype)
+        kd = cfg.drafter.kd_weight > 0  # the target step then also hands over final hidden states
+        target_step = TargetStep(parts.target, parts.drafter_device, parts.feature_dtype, kd)
         self.threads: list[threading.Thread] = [self.prefetcher]
         self.queues = [work_q]
         common = dict(events=self.events, stop=self.stop, faults=faults)
@@ -323,7 +324,7 @@ class Trainer:
             step_fn = (
                 target_step
                 if tgt is first
-                else TargetStep(tgt, parts.drafter_device, parts.feature_dtype)
+                else TargetStep(tgt, parts.drafter_device, parts.feature_dtype, kd)
             )
             check_taps(cfg, step_fn, f"target{i}")
             self.threads.append(

@@ -12,6 +12,11 @@ Per row of the batch (S = padded length, N = num_anchors, bs = block_size):
   4. labels are SAME-POSITION (pitfall §5.1): slot k predicts input_ids[a_j + k]; slot 0 is given
      and excluded; a label counts iff a_j+k < S, loss_mask[a_j+k] and the block is valid;
   5. loss = sum(w*mask*CE) / sum(w*mask), w_k = exp(-(k-1)/gamma).
+     With logit distillation (kd_weight = lam > 0) each slot's term is
+     (1 - lam) * CE + lam * T^2 * KL(p_target || p_drafter), both softmaxes at temperature T;
+     p_target at slot k is the target's own next-token distribution at position a_j+k-1 (its
+     final normed hidden state there through the frozen LM head, computed chunk by chunk here,
+     so the target's logits never exist for the whole sequence).
 The LM head runs a chunk of blocks at a time and each chunk's input gradient is formed right
 away (_ChunkCE), so the full [N*bs, V] logits never exist, in forward or backward.
 
@@ -56,6 +61,8 @@ class DFlashObjective:
         weighting: str = "decay",
         dpace_alpha: float = 0.5,
         feature_noise: float = 0.0,
+        kd_weight: float = 0.0,
+        kd_temperature: float = 1.0,
     ):
         if block_size < 2:
             raise ValueError("block_size must be >= 2")
@@ -63,6 +70,12 @@ class DFlashObjective:
             raise ValueError(f"weighting must be 'decay' or 'dpace', got {weighting!r}")
         if not 0.0 < dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {dpace_alpha}")
+        if not 0.0 <= kd_weight <= 1.0:
+            raise ValueError(f"kd_weight must be in [0, 1], got {kd_weight}")
+        if kd_temperature <= 0:
+            raise ValueError(f"kd_temperature must be > 0, got {kd_temperature}")
+        self.kd_weight = float(kd_weight)
+        self.kd_temperature = float(kd_temperature)
         self.weighting = weighting
         self.dpace_alpha = float(dpace_alpha)
         self.feature_noise = float(feature_noise)
@@ -77,6 +90,7 @@ class DFlashObjective:
             ["loss", "acc"]
             + [f"acc_{k}" for k in range(1, bs)]
             + ["accept_len", "num_blocks", "num_label_tokens"]
+            + (["ce", "kd"] if self.kd_weight > 0 else [])
         )
 
     def slot_weights(self, device) -> torch.Tensor:
@@ -147,7 +161,10 @@ class DFlashObjective:
         input_ids: torch.Tensor,
         loss_mask: torch.Tensor,
         generator: torch.Generator | None = None,
+        target_hidden: torch.Tensor | None = None,
     ) -> StepOutput:
+        """`target_hidden` [B,S,H]: the target's final normed hidden states, needed (and only
+        read) when kd_weight > 0."""
         B, S = input_ids.shape
         bs, N = self.block_size, self.num_anchors
         anchors, block_valid = self.sample_anchors(loss_mask, generator)
@@ -162,10 +179,28 @@ class DFlashObjective:
             else drafter(block_embeds, features, anchors, block_valid)
         )
         labels, label_valid = self.build_labels(input_ids, loss_mask, anchors, block_valid)
-        return self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid)
+        teacher = None
+        if self.kd_weight > 0:
+            if target_hidden is None:
+                raise ValueError("kd_weight > 0 needs the target's final hidden states")
+            teacher = self.teacher_hidden(target_hidden, anchors)
+        return self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid, teacher)
 
-    def loss_from_hidden(self, hidden, lm_head, labels, label_valid, block_valid) -> StepOutput:
-        """hidden [B,N*bs,H] -> weighted CE + metrics, LM head applied chunk_blocks at a time.
+    def teacher_hidden(self, target_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """[B,N,bs-1,H]: for slot k >= 1 of block j, the target's final hidden state at position
+        a_j+k-1, the one whose LM-head output is the target's distribution for the token at a_j+k
+        (positions past the sequence are clamped; their labels are invalid anyway)."""
+        B, S, H = target_hidden.shape
+        k = torch.arange(self.block_size - 1, device=anchors.device)
+        pos = (anchors[:, :, None] + k).clamp(max=S - 1)  # a + (slot - 1), slots 1..bs-1
+        flat = pos.reshape(B, -1, 1).expand(-1, -1, H)
+        return target_hidden.gather(1, flat).view(B, anchors.shape[1], self.block_size - 1, H)
+
+    def loss_from_hidden(
+        self, hidden, lm_head, labels, label_valid, block_valid, teacher=None
+    ) -> StepOutput:
+        """hidden [B,N*bs,H] -> weighted CE (+ KD against `teacher` [B,N,bs-1,H], the target's
+        hidden states for slots 1..bs-1) + metrics, LM head applied chunk_blocks at a time.
 
         Slot 0 is never decoded (it is given), so only slots 1..bs-1 go through the LM head.
         """
@@ -182,21 +217,39 @@ class DFlashObjective:
         else:
             weigh = _FixedWeights(self.slot_weights(hidden.device)[1:] * valid)
         need_grad = torch.is_grad_enabled() and hidden.requires_grad
-        chunk = self.chunk_blocks or _auto_chunk_blocks(lm_head, B, bs - 1)
-        num_parts, den_parts, correct_parts = [], [], []
+        # With KD each chunk holds two sets of logits (drafter, target): half the blocks.
+        chunk = self.chunk_blocks or max(
+            1, _auto_chunk_blocks(lm_head, B, bs - 1) // (2 if teacher is not None else 1)
+        )
+        kd = (self.kd_weight, self.kd_temperature) if teacher is not None else None
+        num_parts, den_parts, correct_parts, parts = [], [], [], []
         for c0 in range(0, N, chunk):
             c1 = min(N, c0 + chunk)
-            args = (h[:, c0:c1], lm_head, labels[:, c0:c1, 1:], valid[:, c0:c1], weigh.at(c0, c1))
-            num_c, den_c, corr_c = _ChunkCE.apply(*args) if need_grad else _chunk_ce(*args)[:3]
+            t_c = teacher[:, c0:c1] if teacher is not None else None
+            args = (
+                h[:, c0:c1],
+                lm_head,
+                labels[:, c0:c1, 1:],
+                valid[:, c0:c1],
+                weigh.at(c0, c1),
+                t_c,
+                kd,
+            )
+            num_c, den_c, corr_c, part_c = (
+                _ChunkCE.apply(*args) if need_grad else _chunk_ce(*args)[:4]
+            )
             num_parts.append(num_c)
             den_parts.append(den_c)
             correct_parts.append(corr_c)
+            parts.append(part_c)
         num = torch.stack(num_parts).sum()
         den = torch.stack(den_parts).sum().clamp_min(1e-6)
         loss = num / den
         correct = torch.cat(correct_parts, dim=1)  # [B,N,bs-1]
         correct = F.pad(correct, (1, 0), value=False)  # slot 0: given
         metrics = self._metrics(loss.detach(), correct, label_valid, block_valid)
+        if kd is not None:  # the weighted means of the two terms, for the logs
+            metrics = torch.cat([metrics, torch.stack(parts).sum(0) / den])
         return StepOutput(loss=loss, metrics=metrics, metric_names=list(self.metric_names))
 
     def _metrics(self, loss, correct, label_valid, block_valid) -> torch.Tensor:
@@ -245,22 +298,36 @@ def chunk_blocks_for(vocab: int, device_type: str, rows: int, slots: int) -> int
     return max(1, budget // (rows * slots * vocab))
 
 
-def _chunk_ce(h, lm_head, labels, valid, weigh, need_grad=False):
-    """h [B,n,k,H] -> (sum(w*CE) 0-d, sum(w) 0-d, top-1 correct [B,n,k] bool, d sum / d h or
-    None). `weigh(ce, valid)` gives the chunk's loss weights [B,n,k] (detached; 0 where the label
-    is not valid) from its per-slot CE. The chunk's logits [B,n,k,V] exist only inside this call."""
+def _chunk_ce(h, lm_head, labels, valid, weigh, teacher=None, kd=None, need_grad=False):
+    """h [B,n,k,H] -> (sum(w*term) 0-d, sum(w) 0-d, top-1 correct [B,n,k] bool, the unmixed
+    sums [sum(w*CE), sum(w*KD)] (zeros without KD), d sum / d h or None). The per-slot term is
+    CE, or (1 - lam) CE + lam T^2 KL(target || drafter) with `kd` = (lam, T) and `teacher`
+    [B,n,k,H] the target's hidden states. `weigh(ce, valid)` gives the chunk's loss weights
+    [B,n,k] (detached; 0 where the label is not valid) from its per-slot CE. The chunk's logits
+    [B,n,k,V] exist only inside this call."""
     if isinstance(lm_head, nn.Linear) and lm_head.bias is None:
-        return _linear_ce(h, lm_head.weight, labels, valid, weigh, need_grad)
+        if teacher is None:
+            return _linear_ce(h, lm_head.weight, labels, valid, weigh, need_grad)
+        return _linear_kd(h, lm_head.weight, labels, valid, weigh, teacher, kd, need_grad)
     with torch.enable_grad() if need_grad else torch.no_grad():  # any frozen head module
         hh = h.detach().requires_grad_(need_grad)
         logits = lm_head(hh).float()
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
         ce = ce.view_as(valid)
         w = weigh(ce.detach(), valid)
-        num = (ce * w).sum()
+        term, kl = ce, torch.zeros_like(ce)
+        if teacher is not None:
+            lam, T = kd
+            with torch.no_grad():
+                t_logp = torch.log_softmax(lm_head(teacher.to(h.dtype)).float() / T, dim=-1)
+            d_logp = torch.log_softmax(logits / T, dim=-1)
+            kl = (T * T) * (t_logp.exp() * (t_logp - d_logp)).sum(-1)
+            term = (1.0 - lam) * ce + lam * kl
+        num = (term * w).sum()
         correct = logits.argmax(dim=-1) == labels
         grad_h = torch.autograd.grad(num, hh)[0] if need_grad else None
-    return num.detach(), w.sum(), correct, grad_h
+        parts = torch.stack([(ce.detach() * w).sum(), (kl.detach() * w).sum()])
+    return num.detach(), w.sum(), correct, parts, grad_h
 
 
 @torch.no_grad()
@@ -294,6 +361,7 @@ def _linear_ce(h, weight, labels, valid, weigh, need_grad):
     ce = lse - target  # [rows, 1]
     w = weigh(ce.view_as(valid), valid).reshape(-1, 1)
     num = (ce * w).sum()
+    parts = torch.stack([num, torch.zeros_like(num)])
     grad_h = None
     if need_grad:
         g = z.mul_(w / se)  # w * softmax, in place
@@ -304,7 +372,47 @@ def _linear_ce(h, weight, labels, valid, weigh, need_grad):
             else torch.get_autocast_dtype(x.device.type)
         )
         grad_h = torch.matmul(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
-    return num, w.sum(), correct, grad_h
+    return num, w.sum(), correct, parts, grad_h
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+@torch.no_grad()
+def _linear_kd(h, weight, labels, valid, weigh, teacher, kd, need_grad):
+    """The Linear-head path with logit distillation: per slot (1 - lam) CE + lam T^2 KL(p_t ||
+    p_d), p_t = softmax(target logits / T), p_d = softmax(drafter logits / T). Gradient by hand:
+    d term / d z = (1 - lam) (softmax(z) - onehot) + lam T (softmax(z / T) - p_t)."""
+    lam, T = kd
+    x = h.reshape(-1, h.shape[-1])
+    lab = labels.reshape(-1, 1)
+    logits = F.linear(x, weight).float()
+    t_logits = F.linear(teacher.reshape(-1, teacher.shape[-1]).to(x.dtype), weight).float()
+    correct = (logits.argmax(dim=-1, keepdim=True) == lab).view_as(labels)
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = -logp.gather(1, lab)  # [rows, 1]
+    t_logp = torch.log_softmax(t_logits.div_(T), dim=-1)
+    del t_logits
+    d_logp = logp if T == 1.0 else torch.log_softmax(logits / T, dim=-1)
+    p_t = t_logp.exp()
+    kl = (T * T) * (p_t * (t_logp - d_logp)).sum(-1, keepdim=True)
+    del t_logp
+    w = weigh(ce.view_as(valid), valid).reshape(-1, 1)
+    term = (1.0 - lam) * ce + lam * kl
+    num = (term * w).sum()
+    parts = torch.stack([(ce * w).sum(), (kl * w).sum()])
+    grad_h = None
+    if need_grad:
+        p_d = logp.exp_()  # softmax(z), in place: logp is not needed any more
+        p_dT = p_d if T == 1.0 else d_logp.exp()
+        g = p_dT.sub(p_t).mul_(lam * T * w)  # lam T w (softmax(z / T) - p_t)
+        g.add_(p_d.mul_((1.0 - lam) * w))  # + (1 - lam) w softmax(z)
+        g.scatter_add_(1, lab, -(1.0 - lam) * w)  # - (1 - lam) w onehot
+        cdt = _compute_dtype(x)
+        grad_h = torch.matmul(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
+    return num, w.sum(), correct, parts, grad_h
 
 
 class _FixedWeights:
@@ -371,13 +479,15 @@ class _ChunkCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, lm_head, labels, valid, weigh):
-        num, den, correct, grad_h = _chunk_ce(h, lm_head, labels, valid, weigh, need_grad=True)
+    def forward(ctx, h, lm_head, labels, valid, weigh, teacher, kd):
+        num, den, correct, parts, grad_h = _chunk_ce(
+            h, lm_head, labels, valid, weigh, teacher, kd, need_grad=True
+        )
         ctx.save_for_backward(grad_h)
-        ctx.mark_non_differentiable(den, correct)
-        return num, den, correct
+        ctx.mark_non_differentiable(den, correct, parts)
+        return num, den, correct, parts
 
     @staticmethod
-    def backward(ctx, g_num, g_den, g_correct):
+    def backward(ctx, g_num, g_den, g_correct, g_parts):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * g_num.to(grad_h.dtype), None, None, None, None
+        return grad_h * g_num.to(grad_h.dtype), None, None, None, None, None, None

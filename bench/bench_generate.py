@@ -1,0 +1,126 @@
+"""Data generation speed: the embedded target answering embedded prompts, three ways, this CPU.
+
+  one at a time   decode_batch on one prompt per call (no padding, no batching)
+  HF generate     transformers' generate on left-padded batches (what `generate` used before):
+                  every row stays in the batch until the longest one ends
+  ours            decode_batch (data/generate.py): the same left-padded prefill, then rows
+                  leave the batch as they end, so their compute is not spent on padding
+
+Greedy, fp32, the same prompts (a seeded sample of the embedded set, mixed lengths) and
+max_new_tokens for all three; tokens counted up to and including the stop id. Prints tokens/s of
+each and the ratios, measured in one run. Outputs are compared: greedy answers must agree
+(rare argmax ties between batched and unbatched float math aside, which are counted).
+
+Run: .venv/bin/python bench/bench_generate.py [--prompts 32] [--max-new-tokens 96] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.bench_harness import cpu_model
+from dflash_trainer.config import load_config
+from dflash_trainer.data import embedded
+from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.generate import decode_batch, prompt_messages
+from dflash_trainer.models.target import TargetModel
+
+
+def _hf_generate(target, rows, max_new, pad_id):
+    from transformers import GenerationConfig
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    cfg = GenerationConfig(
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=list(target.eos_token_ids),
+        pad_token_id=pad_id,
+    )
+    with torch.no_grad():
+        out = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+    res = []
+    for row in out[:, width:].tolist():
+        toks = []
+        for t in row:
+            if t in target.eos_token_ids:
+                res.append((toks, True))
+                break
+            toks.append(t)
+        else:
+            res.append((toks, False))
+    return res
+
+
+def _count(results) -> int:
+    return sum(len(t) + int(stopped) for t, stopped in results)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    cfg = load_config(preset="smollm2-cpu", overrides=["--target.dtype=float32"])
+    target = TargetModel.load(cfg.target, "cpu")
+    tok = target.tokenizer
+    prompts = embedded.embedded_prompts()
+    random.Random(0).shuffle(prompts)
+    rows = [prompt_ids(tok, prompt_messages(p.messages), False) for p in prompts[: args.prompts]]
+    rows.sort(key=len)  # as generate_responses batches them
+    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+    n, bsz, eos = args.max_new_tokens, args.batch_size, target.eos_token_ids
+    decode_batch(target.model, rows[:2], 4, eos, pad)  # warm-up
+    runs = {}
+    t0 = time.perf_counter()
+    runs["one_at_a_time"] = [decode_batch(target.model, [r], n, eos, pad)[0] for r in rows]
+    times = {"one_at_a_time": time.perf_counter() - t0}
+    for name, fn in (
+        ("hf_generate", lambda b: _hf_generate(target, b, n, pad)),
+        ("ours", lambda b: decode_batch(target.model, b, n, eos, pad)),
+    ):
+        t0 = time.perf_counter()
+        runs[name] = [r for i in range(0, len(rows), bsz) for r in fn(rows[i : i + bsz])]
+        times[name] = time.perf_counter() - t0
+    rate = {k: _count(runs["one_at_a_time"]) / v for k, v in times.items()}
+    differ = {
+        k: sum(a != b for a, b in zip(runs["one_at_a_time"], v))
+        for k, v in runs.items()
+        if k != "one_at_a_time"
+    }
+    out = {
+        "cpu": cpu_model(),
+        "prompts": len(rows),
+        "max_new_tokens": n,
+        "batch_size": bsz,
+        "new_tokens": _count(runs["one_at_a_time"]),
+        "tok_s": {k: round(v, 1) for k, v in rate.items()},
+        "ours_vs_one_at_a_time": round(rate["ours"] / rate["one_at_a_time"], 3),
+        "ours_vs_hf_generate": round(rate["ours"] / rate["hf_generate"], 3),
+        "answers_differing_from_one_at_a_time": differ,
+    }
+    print(
+        f"generation, {len(rows)} prompts x <= {n} tokens, batch {bsz}: "
+        + ", ".join(f"{k} {v} tok/s" for k, v in out["tok_s"].items())
+        + f"; ours/one-at-a-time {out['ours_vs_one_at_a_time']}, ours/HF generate "
+        f"{out['ours_vs_hf_generate']}; answers differing: {differ}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
