@@ -132,7 +132,10 @@ class _NanTarget:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def features(self, ids, attn):
+    def features(self, ids, attn, final=False):
+        if final:
+            feats, last = self.inner.features(ids, attn, final=True)
+            return feats * float("nan"), last
         return self.inner.features(ids, attn) * float("nan")
 
 

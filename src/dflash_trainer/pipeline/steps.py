@@ -80,8 +80,11 @@ class TargetStep:
             # visible context (kv < anchor <= last real token). Given a 2-D padding mask, or
             # none, HF inspects it on the host (`padding_mask.all()`, packed-sequence detection:
             # device syncs); a prepared 4-D mask is used as is.
-            out = self.target.features(ids, self._causal_mask(ids.shape[1]), self.final_hidden)
-            feats, final = out if self.final_hidden else (out, None)
+            mask = self._causal_mask(ids.shape[1])
+            if self.final_hidden:
+                feats, final = self.target.features(ids, mask, final=True)
+            else:  # the two-argument call: targets wrapped by users need not know `final`
+                feats, final = self.target.features(ids, mask), None
             t2 = time.perf_counter_ns()
             feats = feats.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
             if final is not None:
