@@ -539,3 +539,120 @@ def test_no_host_sync_with_kd():
         )
         out.loss.backward()
     assert counter.hits == []
+
+
+# ------------------------------------------------- loss_slots (LM head on slots 1..K) + hidden
+
+
+def _slots_hidden_reference(obj, drafter, embed, lm_head, feats, ids, lm, t_hidden, g_seed):
+    """Dense loop: CE (+ KD) on slots 1..K only, exp-decay weights, weighted mean; plus
+    hidden_weight * the weighted mean over every slot of |h - t|^2 / |t|^2, t the target's
+    hidden state at a+k-1."""
+    lam, T, K = obj.kd_weight, obj.kd_temperature, obj.loss_slots
+    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(g_seed))
+    blocks = obj.build_blocks(ids, anchors, valid)
+    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
+    num, den, hnum, hden = 0.0, 0.0, 0.0, 0.0
+    S = ids.shape[1]
+    for b in range(ids.shape[0]):
+        for j in range(anchors.shape[1]):
+            if not valid[b, j]:
+                continue
+            a = int(anchors[b, j])
+            for k in range(1, BS):
+                if not (a + k < S and lm[b, a + k]):
+                    continue
+                w = math.exp(-(k - 1) / obj.gamma)
+                h, t = hidden[b, j * BS + k], t_hidden[b, a + k - 1]
+                hnum = hnum + w * (h - t).pow(2).sum() / t.pow(2).sum()
+                hden += w
+                if k > K:
+                    continue
+                z = lm_head(h)[None]
+                term = F.cross_entropy(z, ids[b, a + k][None])
+                if lam > 0:
+                    zt = lm_head(t)[None]
+                    kl = F.kl_div(
+                        F.log_softmax(z / T, -1),
+                        F.log_softmax(zt / T, -1),
+                        log_target=True,
+                        reduction="sum",
+                    )
+                    term = (1 - lam) * term + lam * T * T * kl
+                num = num + w * term
+                den += w
+    return num / den + obj.hidden_weight * hnum / hden
+
+
+@pytest.mark.parametrize(
+    "K,lam,hw,chunk",
+    [(2, 0.0, 0.0, 3), (1, 0.5, 0.0, 1), (2, 0.0, 0.7, 0), (1, 0.3, 2.0, 2), (0, 0.0, 1.0, 3)],
+)
+def test_loss_slots_and_hidden_regression_match_dense_reference(K, lam, hw, chunk):
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    t_hidden = _teacher()
+    obj = DFlashObjective(
+        BS,
+        num_anchors=8,
+        mask_token_id=MASK,
+        chunk_blocks=chunk,
+        kd_weight=lam,
+        loss_slots=K,
+        hidden_weight=hw,
+    )
+    assert obj.loss_slots == (K or BS - 1)
+    assert obj.needs_target_hidden == (lam > 0 or hw > 0)
+    out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5), t_hidden)
+    ref = _slots_hidden_reference(obj, drafter, embed, lm_head, feats, ids, lm, t_hidden, 5)
+    torch.testing.assert_close(out.loss, ref)
+    params = list(drafter.parameters())
+    for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
+        torch.testing.assert_close(a, b)
+    names = out.metric_names
+    assert out.metrics.shape == (len(names),)
+    assert [n for n in names if n.startswith("acc_")] == [
+        f"acc_{k}" for k in range(1, obj.loss_slots + 1)
+    ]
+    assert ("hidden" in names) == (hw > 0)
+    if hw > 0:
+        assert out.metrics[names.index("hidden")] > 0
+
+
+def test_loss_slots_metrics_count_only_scored_slots():
+    """accept_len with K scored slots is the longest correct prefix of slots 1..K, + 1: at most
+    K + 1, and equal to the full-block figure when K covers the block."""
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    outs = {}
+    for K in (1, 0):
+        obj = DFlashObjective(BS, num_anchors=8, mask_token_id=MASK, loss_slots=K)
+        with torch.no_grad():
+            outs[K] = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5))
+    n1, n0 = outs[1].metric_names, outs[0].metric_names
+    a1 = outs[1].metrics[n1.index("accept_len")]
+    assert 1.0 <= a1 <= 2.0
+    assert a1 <= outs[0].metrics[n0.index("accept_len")] + 1e-6
+    torch.testing.assert_close(
+        outs[1].metrics[n1.index("acc_1")], outs[0].metrics[n0.index("acc_1")]
+    )
+    with pytest.raises(ValueError, match="loss_slots"):
+        DFlashObjective(BS, 4, loss_slots=-1)
+
+
+def test_hidden_regression_of_the_target_itself_is_zero():
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK, hidden_weight=1.0)
+    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(3))
+    blocks = obj.build_blocks(ids, anchors, valid)
+    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
+    labels, lv = obj.build_labels(ids, lm, anchors, valid)
+    teacher = hidden.detach().view(3, 6, BS, H)[:, :, 1:]
+    with_h = obj.loss_from_hidden(hidden, lm_head, labels, lv, valid, teacher)
+    plain = DFlashObjective(BS, num_anchors=6, mask_token_id=MASK)
+    without = plain.loss_from_hidden(hidden, lm_head, labels, lv, valid)
+    torch.testing.assert_close(with_h.loss, without.loss)
+    assert with_h.metrics[with_h.metric_names.index("hidden")] == 0
+    with pytest.raises(ValueError, match="hidden_weight"):
+        obj.loss_from_hidden(hidden, lm_head, labels, lv, valid)

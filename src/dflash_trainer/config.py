@@ -215,6 +215,21 @@ class DrafterConfig:
     kd_temperature: float = _f(
         1.0, "softmax temperature T of both distributions in the KD term", min=0.01
     )
+    loss_slots: int = _f(
+        0,
+        "block slots 1..K that go through the LM head (CE/KD, acc_k metrics); 0 = all "
+        "block_size - 1. The 49,152-way head on every slot is most of a small drafter's step, "
+        "and while acceptance is short the deep slots rarely count",
+        unit="slots",
+        min=0,
+    )
+    hidden_weight: float = _f(
+        0.0,
+        "weight of a hidden-state regression on every slot: the drafter's final hidden state "
+        "pulled toward the target's at the same position (|h - t|^2 / |t|^2; the two share "
+        "the LM head, so this matches the whole distribution at no LM-head cost); 0 = off",
+        min=0.0,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

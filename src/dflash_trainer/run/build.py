@@ -190,6 +190,8 @@ def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
         feature_noise=d.feature_noise,
         kd_weight=d.kd_weight,
         kd_temperature=d.kd_temperature,
+        loss_slots=d.loss_slots,
+        hidden_weight=d.hidden_weight,
     )
 
 

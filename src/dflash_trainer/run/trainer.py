@@ -296,7 +296,8 @@ class Trainer:
             skip_samples=parts.resume.epoch_skip if parts.resume is not None else None,
             faults=faults,
         )
-        kd = cfg.drafter.kd_weight > 0  # the target step then also hands over final hidden states
+        # KD and hidden regression: the target step also hands over its final hidden states.
+        kd = parts.objective.needs_target_hidden
         target_step = TargetStep(parts.target, parts.drafter_device, parts.feature_dtype, kd)
         self.threads: list[threading.Thread] = [self.prefetcher]
         self.queues = [work_q]

@@ -63,6 +63,8 @@ class DFlashObjective:
         feature_noise: float = 0.0,
         kd_weight: float = 0.0,
         kd_temperature: float = 1.0,
+        loss_slots: int = 0,
+        hidden_weight: float = 0.0,
     ):
         if block_size < 2:
             raise ValueError("block_size must be >= 2")
@@ -74,7 +76,14 @@ class DFlashObjective:
             raise ValueError(f"kd_weight must be in [0, 1], got {kd_weight}")
         if kd_temperature <= 0:
             raise ValueError(f"kd_temperature must be > 0, got {kd_temperature}")
+        if not 0 <= loss_slots < 1 << 16:
+            raise ValueError(f"loss_slots must be >= 0 (0 = every slot), got {loss_slots}")
+        if hidden_weight < 0:
+            raise ValueError(f"hidden_weight must be >= 0, got {hidden_weight}")
         self.kd_weight = float(kd_weight)
+        self.hidden_weight = float(hidden_weight)
+        # Slots 1..K go through the LM head (CE/KD, accuracy metrics); 0 = all bs - 1.
+        self.loss_slots = loss_slots if 0 < loss_slots < block_size else block_size - 1
         self.kd_temperature = float(kd_temperature)
         self.weighting = weighting
         self.dpace_alpha = float(dpace_alpha)
@@ -85,13 +94,18 @@ class DFlashObjective:
         self.mask_token_id = int(mask_token_id)
         self.chunk_blocks = max(0, int(chunk_blocks))  # 0 = auto
         self.attention = attention
-        bs = block_size
         self.metric_names = (
             ["loss", "acc"]
-            + [f"acc_{k}" for k in range(1, bs)]
+            + [f"acc_{k}" for k in range(1, self.loss_slots + 1)]
             + ["accept_len", "num_blocks", "num_label_tokens"]
             + (["ce", "kd"] if self.kd_weight > 0 else [])
+            + (["hidden"] if self.hidden_weight > 0 else [])
         )
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        """Whether a step needs the target's final hidden states (KD or hidden regression)."""
+        return self.kd_weight > 0 or self.hidden_weight > 0
 
     def slot_weights(self, device) -> torch.Tensor:
         """[bs]: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1 (slot 1 has weight 1)."""
@@ -164,7 +178,7 @@ class DFlashObjective:
         target_hidden: torch.Tensor | None = None,
     ) -> StepOutput:
         """`target_hidden` [B,S,H]: the target's final normed hidden states, needed (and only
-        read) when kd_weight > 0."""
+        read) when `needs_target_hidden` (kd_weight or hidden_weight > 0)."""
         B, S = input_ids.shape
         bs, N = self.block_size, self.num_anchors
         anchors, block_valid = self.sample_anchors(loss_mask, generator)
@@ -180,9 +194,11 @@ class DFlashObjective:
         )
         labels, label_valid = self.build_labels(input_ids, loss_mask, anchors, block_valid)
         teacher = None
-        if self.kd_weight > 0:
+        if self.needs_target_hidden:
             if target_hidden is None:
-                raise ValueError("kd_weight > 0 needs the target's final hidden states")
+                raise ValueError(
+                    "kd_weight > 0 or hidden_weight > 0 needs the target's final hidden states"
+                )
             teacher = self.teacher_hidden(target_hidden, anchors)
         return self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid, teacher)
 
@@ -200,36 +216,42 @@ class DFlashObjective:
         self, hidden, lm_head, labels, label_valid, block_valid, teacher=None
     ) -> StepOutput:
         """hidden [B,N*bs,H] -> weighted CE (+ KD against `teacher` [B,N,bs-1,H], the target's
-        hidden states for slots 1..bs-1) + metrics, LM head applied chunk_blocks at a time.
+        hidden states for slots 1..bs-1) (+ hidden-state regression onto `teacher`) + metrics,
+        LM head applied chunk_blocks at a time.
 
-        Slot 0 is never decoded (it is given), so only slots 1..bs-1 go through the LM head.
+        Slot 0 is never decoded (it is given), so only slots 1..K (K = loss_slots) go through
+        the LM head; the hidden-state term, which needs no LM head, covers every slot.
         """
         B, N, bs = labels.shape
+        K = self.loss_slots
         if any(p.requires_grad for p in lm_head.parameters()):
             raise ValueError(
                 "lm_head must be frozen (requires_grad False): the chunked loss "
                 "returns gradients for the drafter hidden states only"
             )
-        h = hidden.view(B, N, bs, -1)[:, :, 1:]
-        valid = label_valid[:, :, 1:].float()  # [B,N,bs-1]
+        h_all = hidden.view(B, N, bs, -1)[:, :, 1:]
+        h = h_all[:, :, :K]
+        valid = label_valid[:, :, 1 : K + 1].float()  # [B,N,K]
         if self.weighting == "dpace":
             weigh = _DPaceWeights(self.dpace_alpha)
         else:
-            weigh = _FixedWeights(self.slot_weights(hidden.device)[1:] * valid)
+            weigh = _FixedWeights(self.slot_weights(hidden.device)[1 : K + 1] * valid)
         need_grad = torch.is_grad_enabled() and hidden.requires_grad
+        kd = (self.kd_weight, self.kd_temperature) if self.kd_weight > 0 else None
+        if kd is not None and teacher is None:
+            raise ValueError("kd_weight > 0 needs the teacher's hidden states")
         # With KD each chunk holds two sets of logits (drafter, target): half the blocks.
         chunk = self.chunk_blocks or max(
-            1, _auto_chunk_blocks(lm_head, B, bs - 1) // (2 if teacher is not None else 1)
+            1, _auto_chunk_blocks(lm_head, B, K) // (2 if kd is not None else 1)
         )
-        kd = (self.kd_weight, self.kd_temperature) if teacher is not None else None
         num_parts, den_parts, correct_parts, parts = [], [], [], []
         for c0 in range(0, N, chunk):
             c1 = min(N, c0 + chunk)
-            t_c = teacher[:, c0:c1] if teacher is not None else None
+            t_c = teacher[:, c0:c1, :K] if kd is not None else None
             args = (
                 h[:, c0:c1],
                 lm_head,
-                labels[:, c0:c1, 1:],
+                labels[:, c0:c1, 1 : K + 1],
                 valid[:, c0:c1],
                 weigh.at(c0, c1),
                 t_c,
@@ -245,11 +267,18 @@ class DFlashObjective:
         num = torch.stack(num_parts).sum()
         den = torch.stack(den_parts).sum().clamp_min(1e-6)
         loss = num / den
-        correct = torch.cat(correct_parts, dim=1)  # [B,N,bs-1]
+        correct = torch.cat(correct_parts, dim=1)  # [B,N,K]
         correct = F.pad(correct, (1, 0), value=False)  # slot 0: given
-        metrics = self._metrics(loss.detach(), correct, label_valid, block_valid)
+        metrics = self._metrics(loss.detach(), correct, label_valid[:, :, : K + 1], block_valid)
         if kd is not None:  # the weighted means of the two terms, for the logs
             metrics = torch.cat([metrics, torch.stack(parts).sum(0) / den])
+        if self.hidden_weight > 0:
+            if teacher is None:
+                raise ValueError("hidden_weight > 0 needs the teacher's hidden states")
+            w = self.slot_weights(hidden.device)[1:] * label_valid[:, :, 1:].float()
+            hid = hidden_regression(h_all, teacher, w)
+            loss = loss + self.hidden_weight * hid
+            metrics = torch.cat([metrics, hid.detach().float().view(1)])
         return StepOutput(loss=loss, metrics=metrics, metric_names=list(self.metric_names))
 
     def _metrics(self, loss, correct, label_valid, block_valid) -> torch.Tensor:
@@ -257,8 +286,9 @@ class DFlashObjective:
         hit = (correct & label_valid).float()
         n_lab = lv.sum()
         acc = hit.sum() / n_lab.clamp_min(1.0)
-        acc_k = hit.sum(dim=(0, 1))[1:] / lv.sum(dim=(0, 1))[1:].clamp_min(1.0)  # [bs-1]
-        # Simulated acceptance per block: longest correct prefix of slots 1.. (+1 bonus token).
+        acc_k = hit.sum(dim=(0, 1))[1:] / lv.sum(dim=(0, 1))[1:].clamp_min(1.0)  # [K]
+        # Simulated acceptance per block: longest correct prefix of slots 1..K (+1 bonus token;
+        # with loss_slots < bs - 1 a lower bound, the unscored slots counted as rejected).
         accepted = hit[:, :, 1:].cumprod(dim=2).sum(dim=2) + 1.0  # [B,N]
         bv = block_valid.float()
         n_blocks = bv.sum()
@@ -413,6 +443,16 @@ def _linear_kd(h, weight, labels, valid, weigh, teacher, kd, need_grad):
         cdt = _compute_dtype(x)
         grad_h = torch.matmul(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
     return num, w.sum(), correct, parts, grad_h
+
+
+def hidden_regression(h: torch.Tensor, teacher: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum(w * |h - t|^2 / |t|^2) / sum(w) over slots: the drafter's final hidden state [...,H]
+    pulled toward the target's at the same position, relative to the target's norm (scale free:
+    1 for h = 0, 0 for a match). Both go through the same frozen LM head, so matching the hidden
+    state matches the whole next-token distribution, at no LM-head cost."""
+    t = teacher.to(torch.float32)
+    err = (h.to(torch.float32) - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-6)
+    return (err * w).sum() / w.sum().clamp_min(1e-6)
 
 
 class _FixedWeights:
