@@ -11,7 +11,12 @@ max_new_tokens for all three; tokens counted up to and including the stop id. Pr
 each and the ratios, measured in one run. Outputs are compared: greedy answers must agree
 (rare argmax ties between batched and unbatched float math aside, which are counted).
 
-Run: .venv/bin/python bench/bench_generate.py [--prompts 32] [--max-new-tokens 96] [--json OUT]
+With --sweep 64,128 ours also runs at those batch sizes (tokens/s and the ratio to --batch-size):
+on a CPU a decode step of a small target costs about the same for 8 rows as for 32 (weights
+read, Python per layer), so bigger batches mean fewer steps.
+
+Run: .venv/bin/python bench/bench_generate.py [--prompts 32] [--max-new-tokens 96]
+     [--batch-size 32] [--sweep 64,128] [--json OUT]
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--sweep", default="", help="more batch sizes for ours, e.g. 64,128")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     cfg = load_config(preset="smollm2-cpu", overrides=["--target.dtype=float32"])
@@ -94,6 +100,14 @@ def main() -> None:
         t0 = time.perf_counter()
         runs[name] = [r for i in range(0, len(rows), bsz) for r in fn(rows[i : i + bsz])]
         times[name] = time.perf_counter() - t0
+    for b in [int(x) for x in args.sweep.split(",") if x]:
+        t0 = time.perf_counter()
+        runs[f"ours_batch{b}"] = [
+            r
+            for i in range(0, len(rows), b)
+            for r in decode_batch(target.model, rows[i : i + b], n, eos, pad)
+        ]
+        times[f"ours_batch{b}"] = time.perf_counter() - t0
     rate = {k: _count(runs["one_at_a_time"]) / v for k, v in times.items()}
     differ = {
         k: sum(a != b for a, b in zip(runs["one_at_a_time"], v))
@@ -110,6 +124,9 @@ def main() -> None:
         "ours_vs_one_at_a_time": round(rate["ours"] / rate["one_at_a_time"], 3),
         "ours_vs_hf_generate": round(rate["ours"] / rate["hf_generate"], 3),
         "answers_differing_from_one_at_a_time": differ,
+        "sweep_vs_ours": {
+            k: round(v / rate["ours"], 3) for k, v in rate.items() if k.startswith("ours_batch")
+        },
     }
     print(
         f"generation, {len(rows)} prompts x <= {n} tokens, batch {bsz}: "

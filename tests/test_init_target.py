@@ -46,6 +46,26 @@ def test_layers_norm_and_fusion_start_from_the_target(tmp_path, arch):
     torch.testing.assert_close(d.fuse(feats), want)
 
 
+def test_init_tap_starts_after_the_chosen_tap_and_passes_its_feature(tmp_path):
+    target = tiny_target("llama", layers=6)
+    taps = list(target.layer_ids)
+    d = _build(tmp_path, target, **{"drafter.init_tap": 0, "drafter.num_layers": 1})
+    src = taps[0] + 1
+    tl = target.layers[src]
+    for name in ("q_proj", "o_proj"):
+        torch.testing.assert_close(
+            getattr(d.layers[0].self_attn, name).weight, getattr(tl.self_attn, name).weight
+        )
+    torch.testing.assert_close(d.layers[0].mlp.down_proj.weight, tl.mlp.down_proj.weight)
+    nf, H = d.config.num_features, d.config.hidden_size
+    feats = torch.randn(1, 5, nf * H)
+    torch.testing.assert_close(d.fuse(feats), tl.input_layernorm(feats[..., :H]))
+    with pytest.raises(UserError, match="init_tap=9 but the target has"):
+        _build(tmp_path, target, **{"drafter.init_tap": 9})
+    with pytest.raises(UserError, match="run past the target's 6 layers"):
+        _build(tmp_path, target, **{"drafter.init_tap": len(taps) - 1, "drafter.num_layers": 6})
+
+
 def test_random_init_is_the_default_and_differs(tmp_path):
     target = tiny_target("llama", layers=4)
     cfg = tiny_config(tmp_path, **SHAPES)

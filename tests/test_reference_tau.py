@@ -22,3 +22,40 @@ def test_reference_tau_equals_ours(tmp_path):
     assert ref["num_prompts"] == 3
     assert ref["tau"] == pytest.approx(ours.tau, rel=1e-6)
     assert ours.tau > 1.2  # real acceptances were compared, not only rejections
+
+
+def test_demo_decodes_mt_bench_and_simulates_every_reported_prompt(tmp_path):
+    """The demo's held-out check: ours, plain greedy and the reference loop on the MT-Bench
+    prompts (tau equal across the loops, lossless), tau_sim per source on every reported
+    prompt, equal to the measured tau where the held-out answers are the target's greedy
+    output."""
+    pytest.importorskip("dflash.model")
+    from dflash_trainer.commands.demo import _heldout_checks
+    from dflash_trainer.data.prepare import REPORT
+    from dflash_trainer.eval.specdecode import ar_generate
+    from dflash_trainer.run.evaluation import HeldoutPrompt
+    from tiny import tiny_config
+
+    model = tiny_target("llama", seed=6)
+    g = torch.Generator().manual_seed(12)
+    prompts = [random_prompt(g) for _ in range(4)]
+    drafter = _trained_drafter(model, prompts, steps=300)
+    out_dir = export_drafter(drafter, tmp_path / "export")
+    report = []
+    for i, p in enumerate(prompts):
+        answer = ar_generate(model, p, 24, stop_ids=()).tokens
+        src = "mt-bench" if i < 2 else "humaneval"
+        report.append(
+            HeldoutPrompt(f"{src}-{i}", src, REPORT, p[0].tolist(), p[0].tolist() + answer)
+        )
+    cfg = tiny_config(tmp_path, **{"eval.max_new_tokens": 20})
+    t = side(model)
+    t.eos_token_ids = []
+    out = _heldout_checks(cfg, t, out_dir, report, torch.float32, 8)
+    assert out["source"] == "mt-bench" and out["prompts"] == 2 and out["tau_sim_prompts"] == 4
+    ours = evaluate(t, drafter, prompts[:2], 20, 8, stop_ids=(), baseline=False, warmup=False)
+    assert out["tau"] == pytest.approx(ours.tau, rel=1e-6)
+    assert out["tau_reference_loop"] == pytest.approx(out["tau"], rel=1e-6)
+    assert out["tau_sim"]["mt-bench"] == pytest.approx(out["tau"], rel=1e-6)
+    assert set(out["tau_sim"]) == {"mt-bench", "humaneval", "all"}
+    assert out["tau"] > 1.2 and "2 of 2" in out["lossless"]

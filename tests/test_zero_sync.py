@@ -61,8 +61,9 @@ class CountHostReads(TorchDispatchMode):
         {"drafter.weighting": "dpace", "drafter.feature_noise": 0.05},
         {"drafter.kd_weight": 0.5, "drafter.kd_temperature": 2.0},
         {"drafter.hidden_weight": 1.0, "drafter.loss_slots": 2},
+        {"pipeline.feature_cache_gb": 1.0, "drafter.kd_weight": 0.5},
     ],
-    ids=["decay", "dpace+noise", "kd", "hidden+slots"],
+    ids=["decay", "dpace+noise", "kd", "hidden+slots", "cache"],
 )
 def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch, objective):
     hits: list = []

@@ -152,6 +152,13 @@ class DrafterConfig:
         "(needs the target's head layout and MLP width; a mismatch names the tensor)",
         choices=("random", "target"),
     )
+    init_tap: int = _f(
+        -1,
+        "with init=target, where the copied layers come from: -1 = the target's last "
+        "num_layers layers, fed by the deepest tap; t >= 0 = the layers right after tapped "
+        "layer t (index into the target's tapped layers), fed by that tap",
+        min=-1,
+    )
     num_layers: int = _f(2, "drafter decoder layers", min=1, max=64)
     num_heads: int = _f(9, "attention query heads", min=1)
     num_kv_heads: int = _f(3, "attention key/value heads (GQA)", min=1)
@@ -277,6 +284,15 @@ class PipelineConfig:
         "share of cpu_threads given to target workers when pipelined on CPU",
         min=0.05,
         max=0.95,
+    )
+    feature_cache_gb: float = _f(
+        0.0,
+        "CPU runs: keep each sample's tapped target features in host memory after its first "
+        "forward, up to this size, and serve later epochs from it (the target is frozen: same "
+        "features), the drafter taking the target's threads meanwhile; 0 = off "
+        "(pipeline/feature_cache.py)",
+        unit="GiB",
+        min=0.0,
     )
     timeout_s: float = _f(1.0, "poll interval of every blocking call", unit="s", min=0.01)
     shutdown_deadline_s: float = _f(

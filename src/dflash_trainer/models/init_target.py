@@ -2,11 +2,14 @@
 drafter (`drafter.init_from = DIR`, fine-tuning).
 
 The drafter has the target's hidden size and, in the presets, its head layout. So:
-  - drafter layer i starts as a copy of target layer L - n + i (the target's last n layers:
-    attention and MLP weights and both layer norms; q_norm/k_norm too where the target has them,
-    e.g. Qwen3; a Llama target has none and they stay at 1);
+  - drafter layer i starts as a copy of target layer s + i (attention and MLP weights and both
+    layer norms; q_norm/k_norm too where the target has them, e.g. Qwen3; a Llama target has
+    none and they stay at 1). By default s = L - n: the target's last n layers, fed by the
+    deepest tap. With `drafter.init_tap = t`, s = layer_ids[t] + 1: the layers right after
+    tapped layer t, fed by that tap (shallower layers, closer to token-level work such as
+    copying from the context);
   - `norm` starts as the target's final norm (the drafter's output feeds the target's LM head);
-  - `fc` starts by passing the deepest tapped feature through (identity on its slice, zero
+  - `fc` starts by passing the chosen tapped feature through (identity on its slice, zero
     elsewhere) and `hidden_norm` as the input norm of the first copied layer, so the fused
     context starts as what that layer would have read at those positions.
 The architecture and export format are the published ones: only the starting values differ.
@@ -71,15 +74,39 @@ def _layer_pairs(d_layer: nn.Module, t_layer: nn.Module, i: int):
     return out
 
 
-def target_init_pairs(drafter: nn.Module, target_layers, final_norm: nn.Module | None):
-    """Every (drafter tensor, source tensor, name) the target init copies, checked: raises
-    ValueError naming the first tensor whose source is missing or has another shape."""
-    n, L = len(drafter.layers), len(target_layers)
+def first_source_layer(n: int, num_target_layers: int, layer_ids, init_tap: int) -> int:
+    """The target layer that drafter layer 0 starts from (see the module docstring)."""
+    L = num_target_layers
     if n > L:
         raise ValueError(f"the drafter has {n} layers but the target only {L}")
+    if init_tap < 0:
+        return L - n
+    if init_tap >= len(layer_ids):
+        raise ValueError(
+            f"init_tap={init_tap} but the target has {len(layer_ids)} tapped layers "
+            f"{list(layer_ids)}: use 0..{len(layer_ids) - 1}, or -1 for its last layers"
+        )
+    start = layer_ids[init_tap] + 1
+    if start + n > L:
+        raise ValueError(
+            f"init_tap={init_tap}: {n} layers after tapped layer {layer_ids[init_tap]} run past "
+            f"the target's {L} layers; choose a shallower tap or fewer drafter layers"
+        )
+    return start
+
+
+def target_init_pairs(
+    drafter: nn.Module, target_layers, final_norm: nn.Module | None, start: int | None = None
+):
+    """Every (drafter tensor, source tensor, name) the target init copies, checked: raises
+    ValueError naming the first tensor whose source is missing or has another shape. Drafter
+    layer i copies target layer start + i (default: the last layers)."""
+    n, L = len(drafter.layers), len(target_layers)
+    if start is None:
+        start = first_source_layer(n, L, [], -1)
     pairs = []
     for i in range(n):
-        src = L - n + i
+        src = start + i
         for dst, s, name in _layer_pairs(drafter.layers[i], target_layers[src], i):
             if s is None:
                 raise ValueError(
@@ -103,7 +130,7 @@ def target_init_pairs(drafter: nn.Module, target_layers, final_norm: nn.Module |
     pairs.append(
         (
             drafter.hidden_norm.weight,
-            target_layers[L - n].input_layernorm.weight,
+            target_layers[start].input_layernorm.weight,
             "hidden_norm.weight",
         )
     )
@@ -111,16 +138,22 @@ def target_init_pairs(drafter: nn.Module, target_layers, final_norm: nn.Module |
 
 
 @torch.no_grad()
-def init_from_target(drafter: nn.Module, target_layers, final_norm: nn.Module | None) -> list[str]:
-    """Copy the target's last layers into the drafter (see the module docstring). Returns the
-    names of the tensors set."""
-    pairs = target_init_pairs(drafter, target_layers, final_norm)
+def init_from_target(
+    drafter: nn.Module, target_layers, final_norm: nn.Module | None, init_tap: int = -1
+) -> list[str]:
+    """Copy target layers into the drafter (see the module docstring): its last layers
+    (init_tap -1), or those right after tapped layer init_tap. Returns the names of the tensors
+    set."""
+    layer_ids = list(drafter.config.target_layer_ids)
+    start = first_source_layer(len(drafter.layers), len(target_layers), layer_ids, init_tap)
+    pairs = target_init_pairs(drafter, target_layers, final_norm, start)
     for dst, s, _ in pairs:
         dst.copy_(s.to(dst.dtype))
     H = drafter.config.hidden_size
     nf = drafter.config.num_features
+    tap = nf - 1 if init_tap < 0 else init_tap  # the feature slice fc passes through
     drafter.fc.weight.zero_()
-    drafter.fc.weight[:, (nf - 1) * H :].copy_(torch.eye(H, dtype=drafter.fc.weight.dtype))
+    drafter.fc.weight[:, tap * H : (tap + 1) * H].copy_(torch.eye(H, dtype=drafter.fc.weight.dtype))
     return [name for _, _, name in pairs] + ["fc.weight"]
 
 

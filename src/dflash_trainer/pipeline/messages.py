@@ -68,6 +68,8 @@ class HiddenBatch:
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     # [B, S, H] the target's final normed hidden states, only for logit distillation
     target_hidden: torch.Tensor | None = None
+    # assembled from the feature cache (pipeline/feature_cache.py): the target did not run
+    from_cache: bool = False
 
 
 @dataclass

@@ -34,8 +34,10 @@ class TargetStep:
         drafter_device: torch.device,
         feature_dtype: torch.dtype,
         final_hidden: bool = False,
+        cache=None,
     ):
         self.target = target
+        self.cache = cache  # FeatureCache shared by the target workers, or None
         self.final_hidden = final_hidden  # also hand over the final hidden states (KD)
         self.device = torch.device(target.device)
         self.drafter_device = torch.device(drafter_device)
@@ -65,6 +67,23 @@ class TargetStep:
 
     def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
         b: Batch = item.batch
+        if self.cache is not None:
+            t0 = time.perf_counter_ns()
+            hit = self.cache.lookup(b, self.final_hidden)
+            if hit is not None:
+                if counters is not None:
+                    counters.add_phase("cache", time.perf_counter_ns() - t0)
+                return HiddenBatch(
+                    seq_no=item.seq_no,
+                    epoch=item.epoch,
+                    input_ids=b.input_ids,
+                    loss_mask=b.loss_mask,
+                    features=hit[0],
+                    sample_ids=b.sample_ids,
+                    num_real_tokens=b.num_real_tokens,
+                    target_hidden=hit[1],
+                    from_cache=True,
+                )
         ctx = (
             torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         )
@@ -89,6 +108,8 @@ class TargetStep:
             feats = feats.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
             if final is not None:
                 final = final.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
+            if self.cache is not None:  # CPU only (checked at build): no device read
+                self.cache.store(b, feats, final)
             ids_d = ids.to(self.drafter_device, non_blocking=True)
             mask_d = b.loss_mask.to(self.drafter_device, non_blocking=True)
             self.timer.stop(tok, self.stream)
@@ -154,6 +175,16 @@ class DrafterStep:
         self.stream = torch.cuda.current_stream(self.device) if _is_cuda(self.device) else None
         self.timer = StepTimer(self.device)
         self.micro = 0
+        # CPU: while batches come from the feature cache the target worker is idle, so the
+        # drafter takes its cores too (use_threads).
+        self.use_threads(0)
+
+    def use_threads(self, threads: int, threads_from_cache: int = 0) -> None:
+        """The worker's OpenMP team size (set by its Stage at thread start), and the size to
+        switch to while batches come from the feature cache (0: never switch)."""
+        self.threads = threads
+        self.threads_from_cache = threads_from_cache
+        self._threads_now = threads
 
     def __call__(self, hb: HiddenBatch, step: int, counters=None) -> bool:
         """Consume one micro-batch. Returns True when it completed an optimizer step."""
@@ -164,6 +195,13 @@ class DrafterStep:
                     t.record_stream(self.stream)
         if counters is not None and counters.gpu_timer is None:
             counters.gpu_timer = self.timer
+        if self.threads_from_cache:
+            want = self.threads_from_cache if hb.from_cache else self.threads
+            if want != self._threads_now:  # this worker thread's OpenMP team size
+                torch.set_num_threads(want)
+                self._threads_now = want
+                if counters is not None:
+                    counters.gauges["threads"] = want
         t0 = time.perf_counter_ns()
         tok = self.timer.start(self.stream)
         ac = (

@@ -22,6 +22,7 @@ from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.init_target import init_from_target, warm_start
 from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.run import rundir
 from dflash_trainer.train.budget import TimeBudget
 from dflash_trainer.train.objective import DFlashObjective
@@ -71,6 +72,20 @@ def thread_split(cfg: Config) -> tuple[int, int]:
     return t, max(1, total - t)
 
 
+def feature_cache(cfg: Config, parts) -> FeatureCache | None:
+    """The run's FeatureCache (pipeline.feature_cache_gb > 0), shared by its target workers."""
+    gb = cfg.pipeline.feature_cache_gb
+    if gb <= 0:
+        return None
+    devices = [torch.device(d) for d in cfg.pipeline.target_devices] + [parts.drafter_device]
+    if any(d.type != "cpu" for d in devices):
+        raise UserError(
+            f"pipeline.feature_cache_gb={gb}: the feature cache is for CPU runs (target and "
+            f"drafter on cpu, here {[str(d) for d in devices]}); set it to 0 on GPUs"
+        )
+    return FeatureCache(parts.train_set.lengths, int(gb * 2**30))
+
+
 def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[int, list[int]]:
     per_epoch = [
         len(plan_epoch(lengths, cfg.batching, e, rank, world)) for e in range(cfg.optim.epochs)
@@ -93,7 +108,7 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
     drafter = DFlashDrafter(dcfg)
     if cfg.drafter.init == "target":
         try:
-            init_from_target(drafter, target.layers, target.final_norm)
+            init_from_target(drafter, target.layers, target.final_norm, cfg.drafter.init_tap)
         except ValueError as e:
             raise UserError(
                 f"drafter.init=target: {e}. Use drafter.init=random, or drafter shapes equal "

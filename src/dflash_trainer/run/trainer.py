@@ -55,7 +55,13 @@ from dflash_trainer.pipeline.workers import (
     StepLoop,
     TargetWorker,
 )
-from dflash_trainer.run.build import RunParts, build_run, replicate_target, thread_split
+from dflash_trainer.run.build import (
+    RunParts,
+    build_run,
+    feature_cache,
+    replicate_target,
+    thread_split,
+)
 from dflash_trainer.run.evaluation import PeriodicEval
 
 log = logging.getLogger(__name__)
@@ -298,7 +304,10 @@ class Trainer:
         )
         # KD and hidden regression: the target step also hands over its final hidden states.
         kd = parts.objective.needs_target_hidden
-        target_step = TargetStep(parts.target, parts.drafter_device, parts.feature_dtype, kd)
+        self.cache = feature_cache(cfg, parts)
+        target_step = TargetStep(
+            parts.target, parts.drafter_device, parts.feature_dtype, kd, self.cache
+        )
         self.threads: list[threading.Thread] = [self.prefetcher]
         self.queues = [work_q]
         common = dict(events=self.events, stop=self.stop, faults=faults)
@@ -325,7 +334,7 @@ class Trainer:
             step_fn = (
                 target_step
                 if tgt is first
-                else TargetStep(tgt, parts.drafter_device, parts.feature_dtype, kd)
+                else TargetStep(tgt, parts.drafter_device, parts.feature_dtype, kd, self.cache)
             )
             check_taps(cfg, step_fn, f"target{i}")
             self.threads.append(
@@ -339,6 +348,8 @@ class Trainer:
                     **common,
                 )
             )
+        if self.cache is not None:  # the target's threads go to the drafter on cached batches
+            self.drafter_step.use_threads(d_threads, d_threads + t_threads * len(targets))
         self.threads.append(
             DrafterWorker(
                 "drafter0",
@@ -532,10 +543,13 @@ class Trainer:
 
     def _report_balance(self) -> str:
         bal = assess_balance([t.counters for t in self.threads])
+        balance = bal.advice() if bal is not None else ""
+        if self.cache is not None:
+            balance = f"{balance} {self.cache.summary()}.".strip()
+        if balance:
+            log.info("%s", balance)
         if bal is None:
-            return ""
-        balance = bal.advice()
-        log.info("%s", balance)
+            return balance
         self.mon.log_event(
             {
                 "pipeline/verdict": bal.verdict,
