@@ -5,7 +5,7 @@
   drafter step   the objective's forward + backward with and without the KD term (one more
                  LM-head matmul per drafted slot, chunked; a log-softmax over the target logits)
 
-Interleaved repeats of the same batch; tokens/s of each and the with/without ratios, measured in
+Repeats of the same batch (median time); tokens/s of each and the with/without ratios, measured in
 one run.
 
 Run: .venv/bin/python bench/bench_kd.py [--repeats 3] [--rows 2] [--seq 512] [--json OUT]
