@@ -119,12 +119,16 @@ def test_blocks_and_same_position_labels():
                     assert labels[b, j, k] == ids[b, a + k]  # same position, not a + k + 1
 
 
-def _reference_loss(obj, drafter, embed, lm_head, feats, ids, lm, g_seed):
-    """Naive loop: per valid block and slot, CE * weight, normalised by the weight sum."""
+def _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, g_seed, t_hidden=None):
+    """Naive loop over valid blocks and slots: CE (+ KD against the target's logits at a+k-1,
+    plain F.kl_div at temperature T) on slots 1..K = obj.loss_slots, exp-decay weights,
+    normalised by the weight sum; plus obj.hidden_weight * the weighted mean over every slot of
+    |h - t|^2 / |t|^2, t the target's hidden state at a+k-1."""
+    lam, T, K = obj.kd_weight, obj.kd_temperature, obj.loss_slots
     anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(g_seed))
     blocks = obj.build_blocks(ids, anchors, valid)
     hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
-    num, den = 0.0, 0.0
+    num, den, hnum, hden = 0.0, 0.0, 0.0, 0.0
     S = ids.shape[1]
     for b in range(ids.shape[0]):
         for j in range(anchors.shape[1]):
@@ -132,12 +136,30 @@ def _reference_loss(obj, drafter, embed, lm_head, feats, ids, lm, g_seed):
                 continue
             a = int(anchors[b, j])
             for k in range(1, BS):
-                if a + k < S and lm[b, a + k]:
-                    w = math.exp(-(k - 1) / obj.gamma)
-                    logits = lm_head(hidden[b, j * BS + k])
-                    num = num + w * F.cross_entropy(logits[None], ids[b, a + k][None])
-                    den += w
-    return num / den
+                if not (a + k < S and lm[b, a + k]):
+                    continue
+                w = math.exp(-(k - 1) / obj.gamma)
+                h = hidden[b, j * BS + k]
+                t = t_hidden[b, a + k - 1] if t_hidden is not None else None
+                if obj.hidden_weight > 0:
+                    hnum = hnum + w * (h - t).pow(2).sum() / t.pow(2).sum()
+                    hden += w
+                if k > K:
+                    continue
+                z = lm_head(h)[None]
+                term = F.cross_entropy(z, ids[b, a + k][None])
+                if lam > 0:
+                    zt = lm_head(t)[None]
+                    kl = F.kl_div(
+                        F.log_softmax(z / T, -1),
+                        F.log_softmax(zt / T, -1),
+                        log_target=True,
+                        reduction="sum",
+                    )
+                    term = (1 - lam) * term + lam * T * T * kl
+                num = num + w * term
+                den += w
+    return num / den + (obj.hidden_weight * hnum / hden if hden else 0.0)
 
 
 def test_loss_matches_naive_reference():
@@ -145,7 +167,7 @@ def test_loss_matches_naive_reference():
     ids, lm, feats = _data()
     obj = DFlashObjective(BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=3)
     out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5))
-    ref = _reference_loss(obj, drafter, embed, lm_head, feats, ids, lm, 5)
+    ref = _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, 5)
     torch.testing.assert_close(out.loss, ref)
     params = list(drafter.parameters())
     for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
@@ -429,37 +451,6 @@ def _teacher(B=3, S=20, seed=7):
     return 3.0 * torch.randn(B, S, H, generator=torch.Generator().manual_seed(seed))
 
 
-def _kd_reference(obj, drafter, embed, lm_head, feats, ids, lm, t_hidden, g_seed):
-    """Dense KD: full drafter logits and the target's logits at position a+k-1 for slot k,
-    plain F.kl_div at temperature T, mixed with CE, exp-decay weights, weighted mean."""
-    lam, T = obj.kd_weight, obj.kd_temperature
-    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(g_seed))
-    blocks = obj.build_blocks(ids, anchors, valid)
-    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
-    num, den = 0.0, 0.0
-    S = ids.shape[1]
-    for b in range(ids.shape[0]):
-        for j in range(anchors.shape[1]):
-            if not valid[b, j]:
-                continue
-            a = int(anchors[b, j])
-            for k in range(1, BS):
-                if a + k < S and lm[b, a + k]:
-                    w = math.exp(-(k - 1) / obj.gamma)
-                    z = lm_head(hidden[b, j * BS + k])[None]
-                    zt = lm_head(t_hidden[b, a + k - 1])[None]
-                    ce = F.cross_entropy(z, ids[b, a + k][None])
-                    kl = F.kl_div(
-                        F.log_softmax(z / T, -1),
-                        F.log_softmax(zt / T, -1),
-                        log_target=True,
-                        reduction="sum",
-                    ) * (T * T)
-                    num = num + w * ((1 - lam) * ce + lam * kl)
-                    den += w
-    return num / den
-
-
 @pytest.mark.parametrize(
     "chunk,lam,T,wrap",
     [
@@ -483,7 +474,7 @@ def test_kd_loss_and_grads_match_dense_reference(chunk, lam, T, wrap):
         kd_temperature=T,
     )
     out = obj(drafter, embed, head, feats, ids, lm, torch.Generator().manual_seed(5), t_hidden)
-    ref = _kd_reference(obj, drafter, embed, lm_head, feats, ids, lm, t_hidden, 5)
+    ref = _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, 5, t_hidden)
     torch.testing.assert_close(out.loss, ref)
     params = list(drafter.parameters())
     for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
@@ -544,46 +535,6 @@ def test_no_host_sync_with_kd():
 # ------------------------------------------------- loss_slots (LM head on slots 1..K) + hidden
 
 
-def _slots_hidden_reference(obj, drafter, embed, lm_head, feats, ids, lm, t_hidden, g_seed):
-    """Dense loop: CE (+ KD) on slots 1..K only, exp-decay weights, weighted mean; plus
-    hidden_weight * the weighted mean over every slot of |h - t|^2 / |t|^2, t the target's
-    hidden state at a+k-1."""
-    lam, T, K = obj.kd_weight, obj.kd_temperature, obj.loss_slots
-    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(g_seed))
-    blocks = obj.build_blocks(ids, anchors, valid)
-    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
-    num, den, hnum, hden = 0.0, 0.0, 0.0, 0.0
-    S = ids.shape[1]
-    for b in range(ids.shape[0]):
-        for j in range(anchors.shape[1]):
-            if not valid[b, j]:
-                continue
-            a = int(anchors[b, j])
-            for k in range(1, BS):
-                if not (a + k < S and lm[b, a + k]):
-                    continue
-                w = math.exp(-(k - 1) / obj.gamma)
-                h, t = hidden[b, j * BS + k], t_hidden[b, a + k - 1]
-                hnum = hnum + w * (h - t).pow(2).sum() / t.pow(2).sum()
-                hden += w
-                if k > K:
-                    continue
-                z = lm_head(h)[None]
-                term = F.cross_entropy(z, ids[b, a + k][None])
-                if lam > 0:
-                    zt = lm_head(t)[None]
-                    kl = F.kl_div(
-                        F.log_softmax(z / T, -1),
-                        F.log_softmax(zt / T, -1),
-                        log_target=True,
-                        reduction="sum",
-                    )
-                    term = (1 - lam) * term + lam * T * T * kl
-                num = num + w * term
-                den += w
-    return num / den + obj.hidden_weight * hnum / hden
-
-
 @pytest.mark.parametrize(
     "K,lam,hw,chunk",
     [(2, 0.0, 0.0, 3), (1, 0.5, 0.0, 1), (2, 0.0, 0.7, 0), (1, 0.3, 2.0, 2), (0, 0.0, 1.0, 3)],
@@ -604,7 +555,7 @@ def test_loss_slots_and_hidden_regression_match_dense_reference(K, lam, hw, chun
     assert obj.loss_slots == (K or BS - 1)
     assert obj.needs_target_hidden == (lam > 0 or hw > 0)
     out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5), t_hidden)
-    ref = _slots_hidden_reference(obj, drafter, embed, lm_head, feats, ids, lm, t_hidden, 5)
+    ref = _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, 5, t_hidden)
     torch.testing.assert_close(out.loss, ref)
     params = list(drafter.parameters())
     for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
