@@ -5,16 +5,28 @@ MT-Bench + HumanEval, cached by `make demo` or the first run here) with `optim.t
 then take the run's own end-of-run evaluation: acceptance length on every reported held-out
 prompt (greedy, block 16, eval.dtype: fp32 on CPU), per source, with `eval/tau_sim` beside it.
 
-Recipes: the default (preset smollm2-cpu as shipped) and the default without each lever:
+Recipes: the default (preset smollm2-cpu as shipped), the default without each lever:
   random-init   drafter.init=random instead of target
   bf16          target.dtype=bfloat16 + pipeline.precision=bf16 (auto picks fp32 where bf16
                 matmuls are emulated, bf16 where they are native)
   one-epoch     the recipe before the time budget: one pass over the data, no budget
+  all-slots     drafter.loss_slots=0: the LM head on every block slot
+  no-cache      pipeline.feature_cache_gb=0: the target runs in every epoch
+  big-batches   the earlier batching: 2048-token batches, 20 anchors
+and the objectives and starts of issue 18, each on top of the default:
+  kd            drafter.kd_weight=0.5 (logit distillation)
+  dpace         drafter.weighting=dpace (D-PACE position weights)
+  noise         drafter.feature_noise=0.05
+  hidden        drafter.hidden_weight=1 (hidden-state regression)
+  warm-start    drafter.init_from = the default recipe's export at the same budget, trained
+                for that budget again (list it after `default`)
 
 Run: .venv/bin/python bench/bench_quality.py [--budgets 120,300,600,900] [--recipes a,b]
-     [--max-new-tokens 64] [--json OUT]
-Each (recipe, budget) cell costs its budget plus an evaluation: the full table at the default
-budgets takes about an hour on 2 cores (`make bench-quality`); --quick runs one short budget.
+     [--max-new-tokens 128] [--json OUT]
+Each (recipe, budget) cell costs its budget plus about five minutes of evaluation on 2 cores
+(every reported prompt decoded): all recipes at the default budgets take several hours
+(`make bench-quality`); pick recipes and one budget, e.g. --budgets 240 --recipes
+default,kd,dpace,noise,warm-start (about 50 minutes); --quick runs one short budget.
 """
 
 from __future__ import annotations
@@ -37,6 +49,14 @@ RECIPES = {
     "random-init": {"drafter.init": "random"},
     "bf16": {"target.dtype": "bfloat16", "pipeline.precision": "bf16"},
     "one-epoch": {"optim.time_budget_s": "0", "optim.epochs": "1"},
+    "all-slots": {"drafter.loss_slots": "0"},
+    "no-cache": {"pipeline.feature_cache_gb": "0"},
+    "big-batches": {"batching.max_tokens": "2048", "drafter.num_anchors": "20"},
+    "kd": {"drafter.kd_weight": "0.5"},
+    "dpace": {"drafter.weighting": "dpace"},
+    "noise": {"drafter.feature_noise": "0.05"},
+    "hidden": {"drafter.hidden_weight": "1"},
+    "warm-start": {},  # drafter.init_from is set per budget (run_cell)
 }
 
 
@@ -49,6 +69,11 @@ def run_cell(recipe: str, budget: float, args, root: Path) -> dict:
     set_value(cfg, "eval.max_new_tokens", str(args.max_new_tokens))
     for k, v in RECIPES[recipe].items():
         set_value(cfg, k, v)
+    if recipe == "warm-start":
+        start = root / f"default-{int(budget)}" / "export"
+        if not start.is_dir():
+            raise SystemExit("warm-start continues the default recipe's export: list default first")
+        set_value(cfg, "drafter.init_from", str(start))
     cfg.metrics.wandb, cfg.metrics.tensorboard, cfg.metrics.console = "off", False, False
     target = TargetModel.load(cfg.target, "cpu")
     train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
@@ -77,7 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--budgets", default="120,300,600,900", help="training wall times, seconds")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt")
     ap.add_argument("--quick", action="store_true", help="one 60 s budget, default + random-init")
     ap.add_argument("--json", default="", help="also write the cells to this file")
     args = ap.parse_args()
