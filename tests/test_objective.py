@@ -162,16 +162,24 @@ def _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, g_seed, t_hid
     return num / den + (obj.hidden_weight * hnum / hden if hden else 0.0)
 
 
-def test_loss_matches_naive_reference():
+def _matches_dense(obj, t_hidden=None, wrap_head=False):
+    """Run `obj` on the standard tiny setup and assert its loss and its gradients for every
+    drafter parameter equal _dense_reference's. `wrap_head` hides the Linear head in a
+    Sequential (the generic head path). Returns the objective's output."""
     drafter, embed, lm_head = _setup()
     ids, lm, feats = _data()
-    obj = DFlashObjective(BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=3)
-    out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5))
-    ref = _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, 5)
+    head = torch.nn.Sequential(lm_head) if wrap_head else lm_head
+    out = obj(drafter, embed, head, feats, ids, lm, torch.Generator().manual_seed(5), t_hidden)
+    ref = _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, 5, t_hidden)
     torch.testing.assert_close(out.loss, ref)
     params = list(drafter.parameters())
     for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
         torch.testing.assert_close(a, b)
+    return out
+
+
+def test_loss_matches_naive_reference():
+    out = _matches_dense(DFlashObjective(BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=3))
     names = out.metric_names
     assert out.metrics.shape == (len(names),)
     assert out.metrics[names.index("loss")] == out.loss.detach()
@@ -461,10 +469,6 @@ def _teacher(B=3, S=20, seed=7):
     ],
 )
 def test_kd_loss_and_grads_match_dense_reference(chunk, lam, T, wrap):
-    drafter, embed, lm_head = _setup()
-    ids, lm, feats = _data()
-    t_hidden = _teacher()
-    head = torch.nn.Sequential(lm_head) if wrap else lm_head  # generic path vs Linear path
     obj = DFlashObjective(
         BS,
         num_anchors=8,
@@ -473,12 +477,7 @@ def test_kd_loss_and_grads_match_dense_reference(chunk, lam, T, wrap):
         kd_weight=lam,
         kd_temperature=T,
     )
-    out = obj(drafter, embed, head, feats, ids, lm, torch.Generator().manual_seed(5), t_hidden)
-    ref = _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, 5, t_hidden)
-    torch.testing.assert_close(out.loss, ref)
-    params = list(drafter.parameters())
-    for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
-        torch.testing.assert_close(a, b)
+    out = _matches_dense(obj, _teacher(), wrap_head=wrap)  # generic path vs Linear path
     names = out.metric_names
     ce, kd = out.metrics[names.index("ce")], out.metrics[names.index("kd")]
     torch.testing.assert_close((1 - lam) * ce + lam * kd, out.loss.detach())
@@ -540,9 +539,6 @@ def test_no_host_sync_with_kd():
     [(2, 0.0, 0.0, 3), (1, 0.5, 0.0, 1), (2, 0.0, 0.7, 0), (1, 0.3, 2.0, 2), (0, 0.0, 1.0, 3)],
 )
 def test_loss_slots_and_hidden_regression_match_dense_reference(K, lam, hw, chunk):
-    drafter, embed, lm_head = _setup()
-    ids, lm, feats = _data()
-    t_hidden = _teacher()
     obj = DFlashObjective(
         BS,
         num_anchors=8,
@@ -554,12 +550,7 @@ def test_loss_slots_and_hidden_regression_match_dense_reference(K, lam, hw, chun
     )
     assert obj.loss_slots == (K or BS - 1)
     assert obj.needs_target_hidden == (lam > 0 or hw > 0)
-    out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5), t_hidden)
-    ref = _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, 5, t_hidden)
-    torch.testing.assert_close(out.loss, ref)
-    params = list(drafter.parameters())
-    for a, b in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref, params)):
-        torch.testing.assert_close(a, b)
+    out = _matches_dense(obj, _teacher())
     names = out.metric_names
     assert out.metrics.shape == (len(names),)
     assert [n for n in names if n.startswith("acc_")] == [

@@ -9,13 +9,20 @@ from dflash_trainer.models.export import export_drafter
 from test_specdecode import _trained_drafter, random_prompt, side, tiny_target
 
 
-def test_reference_tau_equals_ours(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(target, 4 prompts, a drafter overfit on them, its export): trained once per module."""
     pytest.importorskip("dflash.model")
     model = tiny_target("llama", seed=6)
     g = torch.Generator().manual_seed(12)
-    prompts = [random_prompt(g) for _ in range(3)]
+    prompts = [random_prompt(g) for _ in range(4)]
     drafter = _trained_drafter(model, prompts, steps=300)
-    out = export_drafter(drafter, tmp_path / "export")
+    return model, prompts, drafter, export_drafter(drafter, tmp_path_factory.mktemp("export"))
+
+
+def test_reference_tau_equals_ours(trained):
+    model, prompts, drafter, out = trained
+    prompts = prompts[:3]
     t = side(model)
     ours = evaluate(t, drafter, prompts, 20, 8, stop_ids=(), baseline=False, warmup=False)
     ref = reference_tau(out, model, [p[0].tolist() for p in prompts], 20, 8)
@@ -24,23 +31,18 @@ def test_reference_tau_equals_ours(tmp_path):
     assert ours.tau > 1.2  # real acceptances were compared, not only rejections
 
 
-def test_demo_decodes_mt_bench_and_simulates_every_reported_prompt(tmp_path):
+def test_demo_decodes_mt_bench_and_simulates_every_reported_prompt(tmp_path, trained):
     """The demo's held-out check: ours, plain greedy and the reference loop on the MT-Bench
     prompts (tau equal across the loops, lossless), tau_sim per source on every reported
     prompt, equal to the measured tau where the held-out answers are the target's greedy
     output."""
-    pytest.importorskip("dflash.model")
     from dflash_trainer.commands.demo import _heldout_checks
     from dflash_trainer.data.prepare import REPORT
     from dflash_trainer.eval.specdecode import ar_generate
     from dflash_trainer.run.evaluation import HeldoutPrompt
     from tiny import tiny_config
 
-    model = tiny_target("llama", seed=6)
-    g = torch.Generator().manual_seed(12)
-    prompts = [random_prompt(g) for _ in range(4)]
-    drafter = _trained_drafter(model, prompts, steps=300)
-    out_dir = export_drafter(drafter, tmp_path / "export")
+    model, prompts, drafter, out_dir = trained
     report = []
     for i, p in enumerate(prompts):
         answer = ar_generate(model, p, 24, stop_ids=()).tokens

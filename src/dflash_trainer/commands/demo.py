@@ -30,7 +30,7 @@ from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, targe
 from dflash_trainer.eval.metrics import format_table, summarize
 from dflash_trainer.eval.reference import reference_tau
 from dflash_trainer.eval.specdecode import evaluate
-from dflash_trainer.eval.tau_sim import TauSim
+from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.report import write_report
@@ -122,12 +122,13 @@ def _heldout_checks(cfg: Config, eval_target, export_dir, report, dtype, block) 
     s = summarize(spec.spec_results, ar, block)
     ref = reference_tau(export_dir, eval_target.model, prompts, n, block, eval_target.eos_token_ids)
     print(format_table({chosen[0].source: s}), flush=True)
-    sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report])
+    # One replay of every reported prompt; acceptance_lengths follow `report`'s order.
+    sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report]).run(drafter, n, block)
     sims = {
-        src: sim.run(drafter, n, block, [e.id for e in report if e.source == src]).tau
+        src: mean_tau([a for e, a in zip(report, sim.acceptance_lengths) if e.source == src])
         for src in sorted({e.source for e in report})
     }
-    sims["all"] = sim.run(drafter, n, block).tau
+    sims["all"] = sim.tau
     out = {
         "source": chosen[0].source,
         "prompts": len(prompts),

@@ -44,6 +44,13 @@ class SimResult:
     cycles: int
 
 
+def mean_tau(acceptance_lengths: Sequence[Sequence[int]]) -> float:
+    """Mean over responses with at least one cycle of mean tokens per cycle (1.0 if none): the
+    aggregation of measured tau (eval/metrics.py)."""
+    per = [sum(x) / len(x) for x in acceptance_lengths if x]
+    return sum(per) / len(per) if per else 1.0
+
+
 @torch.no_grad()
 def simulate_response(
     drafter,
@@ -151,10 +158,9 @@ class TauSim:
                 )
         finally:
             drafter.train(was)
-        per = [sum(x) / len(x) for x in lens if x]
         return SimResult(
-            tau=sum(per) / len(per) if per else 1.0,
-            per_response=per,
+            tau=mean_tau(lens),
+            per_response=[sum(x) / len(x) for x in lens if x],
             acceptance_lengths=lens,
             cycles=sum(len(x) for x in lens),
         )

@@ -95,15 +95,11 @@ def first_source_layer(n: int, num_target_layers: int, layer_ids, init_tap: int)
     return start
 
 
-def target_init_pairs(
-    drafter: nn.Module, target_layers, final_norm: nn.Module | None, start: int | None = None
-):
+def target_init_pairs(drafter: nn.Module, target_layers, final_norm: nn.Module | None, start: int):
     """Every (drafter tensor, source tensor, name) the target init copies, checked: raises
     ValueError naming the first tensor whose source is missing or has another shape. Drafter
-    layer i copies target layer start + i (default: the last layers)."""
-    n, L = len(drafter.layers), len(target_layers)
-    if start is None:
-        start = first_source_layer(n, L, [], -1)
+    layer i copies target layer start + i (first_source_layer)."""
+    n = len(drafter.layers)
     pairs = []
     for i in range(n):
         src = start + i

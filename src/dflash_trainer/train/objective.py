@@ -224,6 +224,8 @@ class DFlashObjective:
         """
         B, N, bs = labels.shape
         K = self.loss_slots
+        if self.needs_target_hidden and teacher is None:
+            raise ValueError("kd_weight > 0 or hidden_weight > 0 needs the teacher's hidden states")
         if any(p.requires_grad for p in lm_head.parameters()):
             raise ValueError(
                 "lm_head must be frozen (requires_grad False): the chunked loss "
@@ -238,8 +240,6 @@ class DFlashObjective:
             weigh = _FixedWeights(self.slot_weights(hidden.device)[1 : K + 1] * valid)
         need_grad = torch.is_grad_enabled() and hidden.requires_grad
         kd = (self.kd_weight, self.kd_temperature) if self.kd_weight > 0 else None
-        if kd is not None and teacher is None:
-            raise ValueError("kd_weight > 0 needs the teacher's hidden states")
         # With KD each chunk holds two sets of logits (drafter, target): half the blocks.
         chunk = self.chunk_blocks or max(
             1, _auto_chunk_blocks(lm_head, B, K) // (2 if kd is not None else 1)
@@ -273,8 +273,6 @@ class DFlashObjective:
         if kd is not None:  # the weighted means of the two terms, for the logs
             metrics = torch.cat([metrics, torch.stack(parts).sum(0) / den])
         if self.hidden_weight > 0:
-            if teacher is None:
-                raise ValueError("hidden_weight > 0 needs the teacher's hidden states")
             w = self.slot_weights(hidden.device)[1:] * label_valid[:, :, 1:].float()
             hid = hidden_regression(h_all, teacher, w)
             loss = loss + self.hidden_weight * hid
