@@ -285,6 +285,13 @@ class PipelineConfig:
         min=0.05,
         max=0.95,
     )
+    share_cores: bool = _f(
+        True,
+        "CPU pipelines with one target worker: a target a full hidden-state queue ahead parks "
+        "until the drafter drains it, and the drafter takes every core meanwhile (with 2 cores "
+        "there is no other split to move to); false = the fixed target_thread_share split "
+        "(pipeline/cores.py)",
+    )
     feature_cache_gb: float = _f(
         0.0,
         "CPU runs: keep each sample's tapped target features in host memory after its first "

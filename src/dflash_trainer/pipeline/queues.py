@@ -43,6 +43,7 @@ class BoundedQueue:
         self.counters = QueueCounters(name=name, capacity=capacity)
         self._count_lock = threading.Lock()  # several producers / consumers update counters
         self.name = name
+        self.capacity = int(capacity)
         self.poll_s = poll_s
         self.producers, self.consumers = int(producers), int(consumers)
 

@@ -175,16 +175,13 @@ class DrafterStep:
         self.stream = torch.cuda.current_stream(self.device) if _is_cuda(self.device) else None
         self.timer = StepTimer(self.device)
         self.micro = 0
-        # CPU: while batches come from the feature cache the target worker is idle, so the
-        # drafter takes its cores too (use_threads).
-        self.use_threads(0)
+        self.cores = None  # CPU pipelines: a pipeline.cores.CoreShare (share_cores)
+        self._threads_now = 0
 
-    def use_threads(self, threads: int, threads_from_cache: int = 0) -> None:
-        """The worker's OpenMP team size (set by its Stage at thread start), and the size to
-        switch to while batches come from the feature cache (0: never switch)."""
-        self.threads = threads
-        self.threads_from_cache = threads_from_cache
-        self._threads_now = threads
+    def share_cores(self, cores, threads: int) -> None:
+        """CPU pipelines: take every core on the steps `cores` allows (pipeline/cores.py);
+        `threads` is the team size the worker's Stage set at thread start."""
+        self.cores, self._threads_now = cores, threads
 
     def __call__(self, hb: HiddenBatch, step: int, counters=None) -> bool:
         """Consume one micro-batch. Returns True when it completed an optimizer step."""
@@ -195,13 +192,13 @@ class DrafterStep:
                     t.record_stream(self.stream)
         if counters is not None and counters.gpu_timer is None:
             counters.gpu_timer = self.timer
-        if self.threads_from_cache:
-            want = self.threads_from_cache if hb.from_cache else self.threads
+        if self.cores is not None:
+            want = self.cores.drafter_threads(hb.from_cache)
             if want != self._threads_now:  # this worker thread's OpenMP team size
                 torch.set_num_threads(want)
                 self._threads_now = want
-                if counters is not None:
-                    counters.gauges["threads"] = want
+            if counters is not None:
+                counters.gauges["threads"] = want
         t0 = time.perf_counter_ns()
         tok = self.timer.start(self.stream)
         ac = (

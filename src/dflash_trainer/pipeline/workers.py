@@ -37,9 +37,11 @@ class TargetWorker(Stage):
         work_q: BoundedQueue,
         hs_q: BoundedQueue,
         lock: threading.Lock,
+        cores=None,
     ):
         super().__init__(name, events=events, stop=stop, threads=threads, faults=faults)
         self.step_fn, self.work_q, self.hs_q, self.lock = step_fn, work_q, hs_q, lock
+        self.cores = cores  # CPU: pipeline.cores.CoreShare (park while a full queue ahead)
 
     def on_end(self, item: End) -> None:
         self.work_q.put_nowait(item)  # siblings must see it too
@@ -52,6 +54,10 @@ class TargetWorker(Stage):
         c = self.counters
         for item in self.items(self.work_q):
             assert isinstance(item, WorkItem), type(item)
+            if self.cores is not None:
+                parked = self.cores.park_while_ahead(self.stop, self.hs_q.poll_s)
+                c.wait_out_ns += parked  # waiting on the drafter, like a blocked put
+                c.add_phase("parked", parked)
             t1 = time.perf_counter_ns()
             # (the lock: the eval loop borrows the target between steps)
             with self.lock, self.guard("target", item.batch.input_ids.shape, c.steps):

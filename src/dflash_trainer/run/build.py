@@ -22,6 +22,7 @@ from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.init_target import init_from_target, warm_start
 from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.pipeline.cores import CoreShare
 from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.run import rundir
 from dflash_trainer.train.budget import TimeBudget
@@ -84,6 +85,19 @@ def feature_cache(cfg: Config, parts) -> FeatureCache | None:
             f"drafter on cpu, here {[str(d) for d in devices]}); set it to 0 on GPUs"
         )
     return FeatureCache(parts.train_set.lengths, int(gb * 2**30))
+
+
+def share_cores(cfg: Config, hs_q, cache, drafter_threads: int, target_threads: int):
+    """The CPU pipeline's CoreShare (pipeline/cores.py), or None: off by config, on GPUs, or
+    when there is nothing to borrow (no cache and parking off)."""
+    p = cfg.pipeline
+    devices = [torch.device(d) for d in (*p.target_devices, p.drafter_device)]
+    if any(d.type != "cpu" for d in devices):
+        return None
+    park = p.share_cores and len(p.target_devices) == 1
+    if not park and cache is None:
+        return None
+    return CoreShare(hs_q, drafter_threads, drafter_threads + target_threads, park=park)
 
 
 def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[int, list[int]]:

@@ -60,6 +60,7 @@ from dflash_trainer.run.build import (
     build_run,
     feature_cache,
     replicate_target,
+    share_cores,
     thread_split,
 )
 from dflash_trainer.run.evaluation import PeriodicEval
@@ -305,6 +306,7 @@ class Trainer:
         # KD and hidden regression: the target step also hands over its final hidden states.
         kd = parts.objective.needs_target_hidden
         self.cache = feature_cache(cfg, parts)
+        self.cores = None  # CPU pipelines only (set below)
         target_step = TargetStep(
             parts.target, parts.drafter_device, parts.feature_dtype, kd, self.cache
         )
@@ -330,6 +332,7 @@ class Trainer:
         self.queues.append(hs_q)
         first = parts.target
         targets = [first] if len(p.target_devices) == 1 else replicate_target(cfg, first)
+        self.cores = share_cores(cfg, hs_q, self.cache, d_threads, t_threads * len(targets))
         for i, tgt in enumerate(targets):
             step_fn = (
                 target_step
@@ -345,11 +348,12 @@ class Trainer:
                     work_q=work_q,
                     hs_q=hs_q,
                     lock=self.target_lock,
+                    cores=self.cores,
                     **common,
                 )
             )
-        if self.cache is not None:  # the target's threads go to the drafter on cached batches
-            self.drafter_step.use_threads(d_threads, d_threads + t_threads * len(targets))
+        if self.cores is not None:
+            self.drafter_step.share_cores(self.cores, d_threads)
         self.threads.append(
             DrafterWorker(
                 "drafter0",
@@ -544,6 +548,8 @@ class Trainer:
     def _report_balance(self) -> str:
         bal = assess_balance([t.counters for t in self.threads])
         balance = bal.advice() if bal is not None else ""
+        if self.cores is not None:
+            balance = f"{balance} {self.cores.summary()}.".strip()
         if self.cache is not None:
             balance = f"{balance} {self.cache.summary()}.".strip()
         if balance:
