@@ -176,6 +176,33 @@ def test_eval_decodes_in_float32_on_cpu_without_touching_the_drafter(tmp_path):
     assert ev2.final(0)["eval/dtype"] == "bfloat16"
 
 
+def test_tau_sim_is_logged_per_source_like_tau(tmp_path, monkeypatch):
+    """eval/tau_sim/<source>: the mean over that source's reported responses alone."""
+    import threading
+
+    from dflash_trainer.eval import tau_sim
+    from dflash_trainer.run.build import build_drafter
+
+    # one cycle per response, its length set by the response: sources then differ
+    monkeypatch.setattr(tau_sim, "simulate_response", lambda *a: [len(a[4])])
+    target = tiny_target()
+    ds = tiny_dataset(n=12, max_len=40)
+    ds.sources = ["a", "b"] * 6
+    cfg = tiny_config(tmp_path, **{"eval.max_new_tokens": 6})
+    ev = PeriodicEval(
+        cfg, target, build_drafter(cfg, target, "cpu"), ds, tmp_path, threading.Lock()
+    )
+    rec = ev.final(0)
+    want = {}
+    for src in ("a", "b"):
+        per = [len(e.ids) for e in ev.report if e.source == src]
+        want[src] = sum(per) / len(per)
+        assert rec[f"eval/tau_sim/{src}"] == pytest.approx(want[src])
+    assert want["a"] != want["b"]  # the check tells the sources apart
+    every = [len(e.ids) for e in ev.report]
+    assert rec["eval/tau_sim"] == pytest.approx(sum(every) / len(every))
+
+
 def _gen(tokens):
     return GenResult(tokens=tokens, acceptance_lengths=[1], accepted_drafts=[0], block_sizes=[4])
 

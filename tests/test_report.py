@@ -19,7 +19,10 @@ ALL_PLOTS = [
     "queues.png",
     "loss.png",
     "accuracy.png",
+    "optimizer.png",
     "accept_len.png",
+    "heldout_tau.png",
+    "final_tau.png",
     "padding.png",
     "memory.png",
 ]
@@ -45,6 +48,10 @@ def synthetic_run(run_dir, n=60, seed=0):
                 "queue/features/producer_blocked_frac": 0.4 if i > 10 else 0.0,
                 "drafter/loss": 3.0 * math.exp(-i / 20) + 0.5,
                 "drafter/accept_len": 1.0 + 3.0 * (1 - math.exp(-i / 15)),
+                "drafter/lr": 3e-4 * min(1.0, (i + 1) / 10),
+                "drafter/grad_norm": 2.0 * math.exp(-i / 30) + rng.uniform(0, 0.1),
+                "drafter/skipped_total": float(i >= 30),  # one non-finite step
+                "drafter/consecutive_skips": float(i == 30),
                 "batch/padding_eff": 0.9 + 0.05 * rng.random(),
                 "mem/0/allocated_gib": 20 + i * 0.05,
                 "mem/0/reserved_gib": 24.0,
@@ -53,19 +60,16 @@ def synthetic_run(run_dir, n=60, seed=0):
             for k in range(8):  # accuracy decays with position in the block
                 rec[f"drafter/acc_{k}"] = 0.9 * (0.8**k) * (1 - math.exp(-(i + 1) / 10))
             f.write(json.dumps(rec) + "\n")
-        # as PeriodicEval logs it (trainer.py)
-        f.write(
-            json.dumps(
-                {
-                    "kind": "event",
-                    "step": 600,
-                    "eval/tau": 3.7,
-                    "eval/tau_sim": 3.5,
-                    "eval/step": 600,
-                }
-            )
-            + "\n"
-        )
+        # as PeriodicEval logs it (run/evaluation.py): periodic on validation prompts, then
+        # every reported prompt at the end
+        for step, tau, which in [(300, 3.1, "validation"), (600, 3.7, "validation")] + [
+            (1200, 3.9, "heldout")
+        ]:
+            rec = {"kind": "event", "step": step, "eval/tau": tau, "eval/tau_sim": tau - 0.2}
+            rec.update({"eval/tau/chat": tau - 0.3, "eval/tau/code": tau + 0.3})
+            rec.update({"eval/tau_sim/chat": tau - 0.4, "eval/tau_sim/code": tau + 0.1})
+            rec.update({"eval/set": which, "eval/step": step, "eval/prompts": 6})
+            f.write(json.dumps(rec) + "\n")
         f.write('{"kind": "metrics", "step": 999, "torn')  # a torn last line is skipped
 
 
@@ -98,6 +102,66 @@ def test_acceptance_chart_holds_training_estimate_and_heldout_tau(tmp_path, monk
     synthetic_run(run)
     R.write_report(run)
     assert drawn["accept_len.png"] == ["drafter/accept_len", "eval/tau", "eval/tau_sim"]
+
+
+def _spy_on_figures(monkeypatch) -> dict:
+    """fname -> the figure as drawn: per axes its y label, line labels, bar heights, x ticks."""
+    from dflash_trainer.observe import report as R
+
+    drawn = {}
+    real_save = R._Report._save
+
+    def spy(self, fig, fname, title, note=""):
+        drawn[fname] = [
+            {
+                "ylabel": ax.get_ylabel(),
+                "lines": sorted(l.get_label() for l in ax.get_lines()),
+                "bars": [round(p.get_height(), 6) for p in ax.patches],
+                "xticks": [t.get_text() for t in ax.get_xticklabels()],
+            }
+            for ax in fig.axes
+        ]
+        return real_save(self, fig, fname, title, note)
+
+    monkeypatch.setattr(R._Report, "_save", spy)
+    return drawn
+
+
+def test_optimizer_and_heldout_tau_panels(tmp_path, monkeypatch):
+    drawn = _spy_on_figures(monkeypatch)
+    run = tmp_path / "run"
+    synthetic_run(run)
+    write_report(run)
+    opt = drawn["optimizer.png"]
+    assert [a["ylabel"] for a in opt] == ["learning rate", "grad norm", "non-finite steps"]
+    assert opt[2]["lines"] == ["consecutive_skips", "skipped_total"]
+    during = drawn["heldout_tau.png"]  # the periodic evaluations only, per source
+    assert [a["ylabel"] for a in during] == ["tau", "tau_sim"]
+    assert during[0]["lines"] == ["tau", "tau/chat", "tau/code"]
+    assert during[1]["lines"] == ["tau_sim", "tau_sim/chat", "tau_sim/code"]
+    (end,) = drawn["final_tau.png"]  # the end-of-run evaluation: bars per source
+    assert end["xticks"] == ["all", "chat", "code"]
+    assert end["bars"] == [3.9, 3.6, 4.2, 3.7, 3.5, 4.0]  # tau per group, then tau_sim
+
+
+def test_missing_keys_skip_their_panel(tmp_path, monkeypatch):
+    """A run without lr or skip counters, evaluated only periodically and without tau_sim:
+    those panels are left out, not drawn empty; no end-of-run chart."""
+    drawn = _spy_on_figures(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for i in range(5):
+            rec = {"kind": "metrics", "step": i, "time/elapsed_s": float(i)}
+            rec["drafter/grad_norm"] = 1.0 / (i + 1)
+            f.write(json.dumps(rec) + "\n")
+        rec = {"kind": "event", "step": 4, "eval/tau": 2.0, "eval/tau/chat": 2.1}
+        f.write(json.dumps({**rec, "eval/set": "validation"}) + "\n")
+    html = write_report(run).read_text()
+    assert [a["ylabel"] for a in drawn["optimizer.png"]] == ["grad norm"]
+    assert [a["ylabel"] for a in drawn["heldout_tau.png"]] == ["tau"]
+    assert "final_tau.png" not in drawn and not (run / "report" / "final_tau.png").exists()
+    assert "Held-out tau at the end of the run, per source</h2>\n<p><i>skipped:" in html
 
 
 def test_missing_series_skipped_with_note(tmp_path):

@@ -375,7 +375,11 @@ class MetricsConfig:
     wandb_group: str = _f("", "W&B run group ('' = WANDB_RUN_GROUP, else none)")
     wandb_tags: list[str] = _f([], "W&B run tags ([] = WANDB_TAGS, comma-separated, else none)")
     tensorboard: bool = _f(True, "write TensorBoard event files (needs `tensorboard`)")
-    console: bool = _f(True, "progress bar and one-line summaries on the console")
+    console: bool = _f(
+        True,
+        "progress bars (training steps, tokenization, generation, evaluation; drawn only when "
+        "stderr is a terminal) and one-line summaries on the console",
+    )
     peak_tflops: float = _f(
         0.0, "per-device peak for MFU; 0 = table lookup / measured", unit="TFLOP/s", min=0.0
     )

@@ -117,13 +117,16 @@ def _heldout_checks(cfg: Config, eval_target, export_dir, report, dtype, block) 
     n = cfg.eval.max_new_tokens
     chosen = [e for e in report if e.source == "mt-bench"] or report
     prompts = [e.prompt for e in chosen]
-    spec = evaluate(eval_target, drafter, prompts, n, block, baseline=False)
-    ar = evaluate(eval_target, None, prompts, n, 1, baseline=False).spec_results
+    bars = cfg.metrics.console
+    spec = evaluate(eval_target, drafter, prompts, n, block, baseline=False, progress=bars)
+    ar = evaluate(eval_target, None, prompts, n, 1, baseline=False, progress=bars).spec_results
     s = summarize(spec.spec_results, ar, block)
-    ref = reference_tau(export_dir, eval_target.model, prompts, n, block, eval_target.eos_token_ids)
+    stop = eval_target.eos_token_ids
+    ref = reference_tau(export_dir, eval_target.model, prompts, n, block, stop, progress=bars)
     print(format_table({chosen[0].source: s}), flush=True)
     # One replay of every reported prompt; acceptance_lengths follow `report`'s order.
-    sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report]).run(drafter, n, block)
+    sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report])
+    sim = sim.run(drafter, n, block, progress=bars)
     sims = {
         src: mean_tau([a for e, a in zip(report, sim.acceptance_lengths) if e.source == src])
         for src in sorted({e.source for e in report})

@@ -30,6 +30,7 @@ def run(cfg: Config, args) -> int:
         top_p=args.top_p,
         enable_thinking=cfg.target.enable_thinking,
         seed=cfg.pipeline.seed,
+        progress=cfg.metrics.console,
     )
     print_summary(stats)
     return 0

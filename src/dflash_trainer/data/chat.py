@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)
 
@@ -339,8 +340,11 @@ def _default_cache_dir(data_cfg) -> Path:
     return Path.home() / ".cache" / "dflash-trainer" / "tokenized"
 
 
-def _tokenize_all(tokenizer, conversations, data_cfg, template_kwargs, chunk: int = 512):
-    """Tokenize every conversation (no cache). Returns (ids, masks, conv ids, stats)."""
+def _tokenize_all(
+    tokenizer, conversations, data_cfg, template_kwargs, chunk: int = 512, progress: bool = True
+):
+    """Tokenize every conversation (no cache). Returns (ids, masks, conv ids, stats).
+    `progress`: a bar over conversations, tokens kept so far in its postfix."""
     _check_template(tokenizer)
     specials = _special_strings(tokenizer)
     stats = {k: 0 for k in _STAT_KEYS}
@@ -352,33 +356,40 @@ def _tokenize_all(tokenizer, conversations, data_cfg, template_kwargs, chunk: in
     else:
         stats["open_ended"] = sum(bool(getattr(c, "truncated", False)) for c in conversations)
     out_ids, out_mask, out_cid = [], [], []
-    for lo in range(0, len(conversations), chunk):
-        part = conversations[lo : lo + chunk]
-        rendered = [
-            render_with_spans(
-                tokenizer,
-                c.messages,
-                template_kwargs,
-                specials,
-                open_last=bool(getattr(c, "truncated", False)),
-            )
-            for c in part
-        ]
-        all_ids, all_offs = _encode(tokenizer, [t for t, _ in rendered])
-        for c, (_, spans), ids, offs in zip(part, rendered, all_ids, all_offs):
-            ex = _finish(
-                ids,
-                _mask_from_offsets(offs, spans),
-                data_cfg.max_length,
-                data_cfg.overlong,
-                data_cfg.min_supervised,
-                stats,
-            )
-            if ex is None:
-                continue
-            out_ids.append(np.asarray(ex.input_ids, dtype=np.int32))
-            out_mask.append(np.asarray(ex.loss_mask, dtype=np.uint8))
-            out_cid.append(c.id)
+    tokens = 0  # kept so far: the bar's postfix
+    with showing_progress(
+        len(conversations), desc="tokenize", unit="conversation", enabled=progress
+    ) as bar:
+        for lo in range(0, len(conversations), chunk):
+            part = conversations[lo : lo + chunk]
+            rendered = [
+                render_with_spans(
+                    tokenizer,
+                    c.messages,
+                    template_kwargs,
+                    specials,
+                    open_last=bool(getattr(c, "truncated", False)),
+                )
+                for c in part
+            ]
+            all_ids, all_offs = _encode(tokenizer, [t for t, _ in rendered])
+            for c, (_, spans), ids, offs in zip(part, rendered, all_ids, all_offs):
+                ex = _finish(
+                    ids,
+                    _mask_from_offsets(offs, spans),
+                    data_cfg.max_length,
+                    data_cfg.overlong,
+                    data_cfg.min_supervised,
+                    stats,
+                )
+                if ex is None:
+                    continue
+                out_ids.append(np.asarray(ex.input_ids, dtype=np.int32))
+                out_mask.append(np.asarray(ex.loss_mask, dtype=np.uint8))
+                out_cid.append(c.id)
+                tokens += len(ex.input_ids)
+            bar.update(len(part))
+            bar.set_postfix(tokens=tokens, refresh=False)
     stats["examples"] = len(out_ids)
     stats["tokens"] = int(sum(len(x) for x in out_ids))
     stats["supervised_tokens"] = int(sum(int(m.sum()) for m in out_mask))
@@ -391,9 +402,15 @@ def pad_token_id(tokenizer) -> int:
 
 
 def build_dataset(
-    data_cfg, tokenizer, conversations, cache_dir=None, template_kwargs: dict | None = None
+    data_cfg,
+    tokenizer,
+    conversations,
+    cache_dir=None,
+    template_kwargs: dict | None = None,
+    progress: bool = True,
 ) -> TokenizedDataset:
-    """Tokenize (or load from the disk cache) all conversations."""
+    """Tokenize (or load from the disk cache) all conversations. `progress`: a bar while
+    tokenizing (observe/progress.py; drawn only when stderr is a terminal)."""
     _check_template(tokenizer)
     if data_cfg.overlong not in ("truncate", "drop"):
         raise UserError(f"data.overlong: {data_cfg.overlong!r} is not 'truncate' or 'drop'.")
@@ -406,7 +423,9 @@ def build_dataset(
             return ds
         except Exception as e:  # a corrupt cache is rebuilt, never trusted
             log.warning("tokenized data: ignoring unreadable cache %s (%s)", path, e)
-    ids, masks, cids, stats = _tokenize_all(tokenizer, conversations, data_cfg, template_kwargs)
+    ids, masks, cids, stats = _tokenize_all(
+        tokenizer, conversations, data_cfg, template_kwargs, progress=progress
+    )
     if not ids:
         raise UserError(
             f"no conversation survived tokenization ({stats}); raise data.max_length, "

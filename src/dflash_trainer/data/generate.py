@@ -21,7 +21,6 @@ import zlib
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.chat import prompt_ids
@@ -30,6 +29,7 @@ from dflash_trainer.errors import UserError
 from dflash_trainer.models.embedded import cache_root
 from dflash_trainer.models.precision import dtype_name
 from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache
+from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,8 @@ def generate_responses(
 
     `prompts`: objects with `.id` and `.messages` (data.sources.Conversation). Greedy when
     temperature == 0, else sampled with temperature/top_p. Batches are left padded; prompts are
-    sorted by length so a batch wastes little padding.
+    sorted by length so a batch wastes little padding. `progress`: a bar over prompts
+    (observe/progress.py; drawn only when stderr is a terminal).
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise UserError("generate: --max-new-tokens and --batch-size must be >= 1.")
@@ -299,18 +300,10 @@ def generate_responses(
     eos = list(target.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-    bar = None
-    if progress:
-        bar = tqdm(
-            total=len(todo) + len(done),
-            initial=len(done),
-            unit="prompt",
-            desc="generate",
-            file=sys.stderr,
-            dynamic_ncols=True,
-        )
     t0 = time.perf_counter()
-    try:
+    with showing_progress(
+        len(todo) + len(done), initial=len(done), desc="generate", unit="prompt", enabled=progress
+    ) as bar:
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
             records, new_tokens = _generate_batch(target, chunk, settings, pad_id, seed, provenance)
@@ -318,12 +311,8 @@ def generate_responses(
             _append_records(path, records)
             stats["written"] += len(records)
             stats["seconds"] = time.perf_counter() - t0
-            if bar is not None:
-                bar.update(len(chunk))
-                bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
-    finally:
-        if bar is not None:
-            bar.close()
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
     stats["seconds"] = time.perf_counter() - t0
     stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
     return stats
@@ -393,6 +382,7 @@ def ensure_embedded_responses(cfg, target=None) -> Path:
         top_p=EMBEDDED_GEN["top_p"],
         enable_thinking=cfg.target.enable_thinking,
         seed=cfg.pipeline.seed,
+        progress=cfg.metrics.console,
     )
     print_summary(stats)
     return path

@@ -123,7 +123,7 @@ def prepare_data(cfg, tokenizer, target=None):
         sources, cfg.data.on_bad_record, tuple(cfg.data.roots), seed=cfg.pipeline.seed
     )
     log.info("data: %s", report.summary() if hasattr(report, "summary") else report)
-    dataset = build_dataset(cfg.data, tokenizer, convs)
+    dataset = build_dataset(cfg.data, tokenizer, convs, progress=cfg.metrics.console)
     log.info("tokenized: %s", dataset.stats)
     label = {c.id: source_label(c.id, c.source, embedded_files) for c in convs}
     train, heldout = split_dataset(

@@ -18,6 +18,7 @@ import torch
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.metrics import summarize
 from dflash_trainer.eval.specdecode import GenResult
+from dflash_trainer.observe.progress import showing_progress
 
 
 @contextlib.contextmanager
@@ -41,9 +42,11 @@ def reference_tau(
     max_new_tokens: int,
     block_size: int,
     stop_ids: Sequence[int] = (),
+    progress: bool = True,
 ) -> dict:
     """tau of the reference loop over `prompts` (token id lists), aggregated like ours: the
-    mean over responses of each response's mean tokens per cycle."""
+    mean over responses of each response's mean tokens per cycle. `progress`: a bar over
+    prompts (observe/progress.py; drawn only when stderr is a terminal)."""
     try:  # optional: the reference package is installed by `make setup`, not a dependency
         from dflash import model as ref
     except ImportError:
@@ -54,7 +57,10 @@ def reference_tau(
     drafter = ref.DFlashDraftModel.from_pretrained(str(export_dir), dtype=param.dtype)
     drafter = drafter.to(param.device).eval()
     results = []
-    with _cpu_clock(ref):
+    with (
+        _cpu_clock(ref),
+        showing_progress(len(prompts), desc="reference", unit="prompt", enabled=progress) as bar,
+    ):
         for ids in prompts:
             x = torch.tensor([list(ids)], dtype=torch.long, device=param.device)
             r = ref.dflash_generate(
@@ -70,5 +76,6 @@ def reference_tau(
             results.append(
                 GenResult(tokens=[], acceptance_lengths=lens, accepted_drafts=[], block_sizes=[])
             )
+            bar.update(1)
     s = summarize(results, None, block_size)
     return {"tau": s.tau, "num_prompts": len(results)}

@@ -47,6 +47,7 @@ from dflash_trainer.eval.dtype import drafter_in, dtype_label, model_dtype, targ
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache, tap_outputs
+from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)
 
@@ -470,18 +471,23 @@ def evaluate(
     baseline: bool = True,
     warmup: bool = True,
     generate_fn: Callable[..., GenResult] = spec_generate,
+    progress: bool = True,
 ) -> EvalSummary:
     """Run spec decoding (and the AR baseline) over prompts (token id lists or [1,P] tensors).
 
     `target` is a TargetModel or TargetSide. The spec and AR run of a prompt share a seed, so in
     sampling mode they also produce comparable (identical, when lossless) outputs.
+    `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
     """
     drafter = _unwrap(drafter)
     device = _target_device(target)
     stop = list(target.eos_token_ids if stop_ids is None else stop_ids)
     args = (target.model, target.layer_ids, target.embed_weight, target.lm_head)
     spec, ar = [], []
-    with _eval_mode(target.model, drafter):
+    with (
+        _eval_mode(target.model, drafter),
+        showing_progress(len(prompts), desc="eval", unit="prompt", enabled=progress) as bar,
+    ):
         if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out
             w = _as_prompt(prompts[0], device)
             generate_fn(
@@ -536,6 +542,7 @@ def evaluate(
                         torch.Generator().manual_seed(seed + i),
                     )
                 )
+            bar.update(1)
         s = summarize(spec, ar or None, block_size)
         s.decode_dtype = dtype_label(model_dtype(target.model))
         for p, a, b in zip(prompts, spec, ar):
@@ -658,41 +665,47 @@ def run_conversations(
     enable_thinking: bool,
     seed: int = 0,
     dtype: torch.dtype | None = None,
+    progress: bool = True,
+    desc: str = "eval",
 ) -> EvalSummary:
     """Answer every user turn of each conversation in order (multi-turn, like the z-lab benchmark):
     each turn is one response; the history carries the spec-decoded answers, not the file's own.
 
     dtype: decode in this dtype (eval.dtype resolved, eval/dtype.py: eval_dtype), on cast copies
-    of target and drafter where they differ; None = as given."""
+    of target and drafter where they differ; None = as given. `progress`: a bar named `desc`
+    over conversations (drawn only when stderr is a terminal)."""
     if dtype is not None:
         target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
     tok = target.tokenizer
     spec, ar, gaps = [], [], []
-    for ci, (_cid, msgs) in enumerate(convs):
-        history: list[dict] = []
-        for m in msgs:
-            if m["role"] == "assistant":
-                continue  # regenerated below
-            history.append(m)
-            if m["role"] != "user":
-                continue
-            ids = prompt_ids(tok, history, enable_thinking)
-            s = evaluate(
-                target,
-                drafter,
-                [ids],
-                max_new_tokens,
-                block_size,
-                temperature,
-                top_p,
-                seed=seed + 1000 * ci + len(history),
-                warmup=not spec,
-            )
-            spec += s.spec_results
-            ar += s.ar_results
-            gaps += s.tie_gaps
-            text = tok.decode(s.spec_results[0].tokens, skip_special_tokens=True)
-            history.append({"role": "assistant", "content": text})
+    with showing_progress(len(convs), desc=desc, unit="conversation", enabled=progress) as bar:
+        for ci, (_cid, msgs) in enumerate(convs):
+            history: list[dict] = []
+            for m in msgs:
+                if m["role"] == "assistant":
+                    continue  # regenerated below
+                history.append(m)
+                if m["role"] != "user":
+                    continue
+                ids = prompt_ids(tok, history, enable_thinking)
+                s = evaluate(
+                    target,
+                    drafter,
+                    [ids],
+                    max_new_tokens,
+                    block_size,
+                    temperature,
+                    top_p,
+                    seed=seed + 1000 * ci + len(history),
+                    warmup=not spec,
+                    progress=False,  # one prompt per call: the bar counts conversations
+                )
+                spec += s.spec_results
+                ar += s.ar_results
+                gaps += s.tie_gaps
+                text = tok.decode(s.spec_results[0].tokens, skip_special_tokens=True)
+                history.append({"role": "assistant", "content": text})
+            bar.update(1)
     out = summarize(spec, ar, block_size)
     out.decode_dtype = dtype_label(model_dtype(target.model))
     out.tie_gaps = gaps
@@ -769,5 +782,7 @@ def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> d
                 cfg.eval.top_p,
                 cfg.target.enable_thinking,
                 seed=cfg.eval.seed,
+                progress=cfg.metrics.console,
+                desc=f"eval {key}",
             )
     return results

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trainer.eval.specdecode import decode_features
+from dflash_trainer.observe.progress import showing_progress
 
 
 @dataclass
@@ -42,6 +43,7 @@ class SimResult:
     per_response: list[float]  # per response with at least one cycle
     acceptance_lengths: list[list[int]]  # per response, per cycle
     cycles: int
+    keys: list[str]  # per response: its example key (acceptance_lengths' order)
 
 
 def mean_tau(acceptance_lengths: Sequence[Sequence[int]]) -> float:
@@ -132,30 +134,40 @@ class TauSim:
 
     @torch.no_grad()
     def run(
-        self, drafter, max_new_tokens: int, block_size: int, keys: Sequence[str] | None = None
+        self,
+        drafter,
+        max_new_tokens: int,
+        block_size: int,
+        keys: Sequence[str] | None = None,
+        progress: bool = True,
     ) -> SimResult:
+        """Replay every example (those in `keys` when given). `progress`: a bar over the
+        replayed prompts (observe/progress.py; drawn only when stderr is a terminal)."""
         drafter = getattr(drafter, "module", drafter)
         wanted = None if keys is None else set(keys)
+        todo = [e for e in self.examples if wanted is None or e[0] in wanted]
         was = drafter.training
         drafter.eval()
         try:
             lens = []
-            for key, ids, p in self.examples:
-                if wanted is not None and key not in wanted:
-                    continue
-                lens.append(
-                    simulate_response(
-                        drafter,
-                        self.target.embed_weight,
-                        self.target.lm_head,
-                        self.features(key, ids),
-                        ids,
-                        p,
-                        max_new_tokens,
-                        block_size,
-                        self.target.eos_token_ids,
+            with showing_progress(
+                len(todo), desc="tau_sim", unit="prompt", enabled=progress
+            ) as bar:
+                for key, ids, p in todo:
+                    lens.append(
+                        simulate_response(
+                            drafter,
+                            self.target.embed_weight,
+                            self.target.lm_head,
+                            self.features(key, ids),
+                            ids,
+                            p,
+                            max_new_tokens,
+                            block_size,
+                            self.target.eos_token_ids,
+                        )
                     )
-                )
+                    bar.update(1)
         finally:
             drafter.train(was)
         return SimResult(
@@ -163,4 +175,5 @@ class TauSim:
             per_response=[sum(x) / len(x) for x in lens if x],
             acceptance_lengths=lens,
             cycles=sum(len(x) for x in lens),
+            keys=[key for key, _, _ in todo],
         )

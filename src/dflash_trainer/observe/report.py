@@ -19,6 +19,8 @@ from dflash_trainer.errors import UserError
 log = logging.getLogger(__name__)
 
 _ACC_RE = re.compile(r"^drafter/acc[_/]?(\d+)$")
+# eval/tau, eval/tau/<source>, eval/tau_sim, eval/tau_sim/<source> (run/evaluation.py)
+_TAU_RE = re.compile(r"^eval/(tau|tau_sim)(?:/([^/]+))?$")
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
@@ -45,6 +47,17 @@ def _series(rows: list[dict], key: str, x: str = "time/elapsed_s") -> tuple[list
             xs.append(r.get(x, i))
             ys.append(v)
     return xs, ys
+
+
+def tau_by_source(record: dict) -> dict[str, dict[str, float]]:
+    """{"all" or source: {"tau": .., "tau_sim": ..}} from one evaluation record; "all" first,
+    then the sources in order; non-numbers and non-finite values are left out."""
+    out: dict[str, dict[str, float]] = {}
+    for k, v in record.items():
+        m = _TAU_RE.match(k)
+        if m and isinstance(v, (int, float)) and math.isfinite(v):
+            out.setdefault(m[2] or "all", {})[m[1]] = float(v)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] != "all", kv[0])))
 
 
 def _keys(rows: list[dict], pattern: str) -> list[str]:
@@ -144,6 +157,29 @@ class _Report:
         ax.set_title(f"{title}: mean of the last {len(last)} log records")
         self._save(fig, fname, title)
 
+    def grouped_bars(
+        self, fname: str, title: str, groups: dict[str, dict[str, float]], ylabel: str, note=""
+    ) -> None:
+        """One bar chart: a group of bars per key of `groups`, one bar per series in it."""
+        series = sorted({name for g in groups.values() for name in g})
+        if not series:
+            self.sections.append((title, None, "no data in metrics.jsonl for this plot"))
+            return
+        width = 0.8 / len(series)
+        fig, ax = self.plt.subplots(figsize=(9, 3.5))
+        for i, name in enumerate(series):
+            xs = [j + i * width for j, g in enumerate(groups.values()) if name in g]
+            ys = [g[name] for g in groups.values() if name in g]
+            bars = ax.bar(xs, ys, width, label=name)
+            ax.bar_label(bars, fmt="%.3f", fontsize=7)
+        ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(groups))])
+        ax.set_xticklabels(list(groups))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8, loc="best")
+        ax.set_title(title)
+        self._save(fig, fname, title, note)
+
     def html(self, run_dir: Path) -> str:
         parts = [
             f"<!doctype html><html><head><meta charset='utf-8'><title>dflash-trainer report: "
@@ -214,6 +250,22 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         x="step",
         xlabel="drafter step",
     )
+    r.lines(
+        "optimizer.png",
+        "Optimizer: learning rate, gradient norm, non-finite steps",
+        [
+            ("learning rate", k(r"^drafter/lr$"), "drafter/"),
+            ("grad norm", k(r"^drafter/grad_norm$"), "drafter/"),
+            ("non-finite steps", k(r"^drafter/(skipped_total|consecutive_skips)$"), "drafter/"),
+        ],
+        x="step",
+        xlabel="drafter step",
+        note="lr: the learning rate when the record was logged. grad_norm: the gradient norm "
+        "before clipping (optim.grad_clip), mean of the finite ones over the log window. "
+        "Non-finite steps: optimizer steps whose loss or gradient was not finite, their "
+        "update dropped on device; the total so far and the current run of them "
+        "(optim.max_consecutive_skips stops training).",
+    )
     window = max(1, len(rows) // 10)
     r.accuracy("accuracy.png", window)
     # Eval results arrive as events (monitor.log_event) and share the step axis. Training's
@@ -239,6 +291,38 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         "draft-verify loop replayed on the held-out responses, aggregated like tau; it "
         "should sit on eval/tau. A training estimate far above tau means the drafter does "
         "not generalise or training and inference disagree.",
+    )
+    # Held-out tau per source: periodic evaluation on the validation prompts over training, and
+    # the end-of-run evaluation on every reported prompt (eval/set = heldout).
+    evals = [e for e in events if "eval/tau" in e]
+    periodic = [e for e in evals if e.get("eval/set") != "heldout"]
+    r.lines(
+        "heldout_tau.png",
+        "Held-out tau during training (validation prompts)",
+        [
+            ("tau", _keys(periodic, r"^eval/tau(/[^/]+)?$"), "eval/"),
+            ("tau_sim", _keys(periodic, r"^eval/tau_sim(/[^/]+)?$"), "eval/"),
+        ],
+        x="step",
+        xlabel="drafter step",
+        rows=periodic,
+        note="Periodic evaluation (eval.every_steps) on a fixed subset of the validation "
+        "prompts, overall and per source: measured tau (tokens per target forward) and "
+        "tau_sim (the loop replayed on the held-out responses). best/ is the drafter with "
+        "the highest tau here.",
+    )
+    final = [e for e in evals if e.get("eval/set") == "heldout"]
+    last = final[-1] if final else {}
+    r.grouped_bars(
+        "final_tau.png",
+        "Held-out tau at the end of the run, per source",
+        tau_by_source(last),
+        "tokens per target forward",
+        note=f"Every reported held-out prompt ({last.get('eval/prompts', '?')}), decoded in "
+        f"{last.get('eval/dtype', '?')} at step {last.get('eval/step', last.get('step', '?'))}; "
+        "these prompts never select anything."
+        if last
+        else "",
     )
     r.lines(
         "padding.png",

@@ -8,7 +8,9 @@ The held-out side of the data (data/prepare.py) has two roles:
   tau per source and overall (`eval/tau`, `eval/tau/<source>`). It never selects anything.
 
 Both decode in eval.dtype (eval/dtype.py: cast copies, the training drafter is not touched) and
-log `eval/tau_sim` (eval/tau_sim.py) beside the measured tau, with the gap.
+log `eval/tau_sim` and `eval/tau_sim/<source>` (eval/tau_sim.py) beside the measured tau, with
+the gap. Only the end-of-run evaluation draws progress bars (metrics.console): the periodic one
+runs between training steps, under the training bar.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dflash_trainer.data.prepare import REPORT, VALIDATION, split_roles, stratif
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
 from dflash_trainer.eval.metrics import summarize
 from dflash_trainer.eval.specdecode import evaluate
-from dflash_trainer.eval.tau_sim import TauSim
+from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.models.export import export_drafter
 
 log = logging.getLogger(__name__)
@@ -115,8 +117,9 @@ class PeriodicEval:
             )
         return self._target
 
-    def _measure(self, examples: list[HeldoutPrompt]) -> tuple[dict, float]:
-        """(tau per source and overall, tau_sim) of the current drafter on `examples`."""
+    def _measure(self, examples: list[HeldoutPrompt], progress: bool) -> tuple[dict, dict]:
+        """(tau, tau_sim) of the current drafter on `examples`, each per source and overall
+        ("all"); tau_sim is empty when eval.tau_sim is off. `progress`: bars over prompts."""
         e = self.cfg.eval
         target = self._eval_target()
         drafter = drafter_in(self.drafter, self.dtype)
@@ -128,6 +131,7 @@ class PeriodicEval:
             self.block_size,
             baseline=False,
             warmup=False,
+            progress=progress,
         )
         by_source = defaultdict(list)
         for x, r in zip(examples, s.spec_results):
@@ -136,16 +140,25 @@ class PeriodicEval:
         taus.update(
             {src: summarize(rs, None, self.block_size).tau for src, rs in by_source.items()}
         )
-        sim = float("nan")
+        sims = {}
         if e.tau_sim:
             sim = self._sim.run(
-                drafter, e.max_new_tokens, self.block_size, [x.id for x in examples]
+                drafter,
+                e.max_new_tokens,
+                self.block_size,
+                [x.id for x in examples],
+                progress=progress,
             )
-            sim = sim.tau
-        return taus, sim
+            source = {x.id: x.source for x in examples}
+            replayed = defaultdict(list)
+            for key, lens in zip(sim.keys, sim.acceptance_lengths):
+                replayed[source[key]].append(lens)
+            sims = {"all": sim.tau}
+            sims.update({src: mean_tau(lens) for src, lens in replayed.items()})
+        return taus, sims
 
-    def _record(self, step: int, examples, which: str, t0: float) -> dict:
-        taus, sim = self._measure(examples)
+    def _record(self, step: int, examples, which: str, t0: float, progress: bool) -> dict:
+        taus, sims = self._measure(examples, progress)
         rec = {
             "eval/tau": float(taus["all"]),
             "eval/prompts": len(examples),
@@ -156,9 +169,13 @@ class PeriodicEval:
         for src, t in sorted(taus.items()):
             if src != "all":
                 rec[f"eval/tau/{src}"] = float(t)
+        sim = sims.get("all", float("nan"))
         if self.cfg.eval.tau_sim:
             rec["eval/tau_sim"] = sim
             rec["eval/tau_sim_gap"] = sim - taus["all"]
+            for src, t in sorted(sims.items()):
+                if src != "all":
+                    rec[f"eval/tau_sim/{src}"] = float(t)
         rec["eval/seconds"] = time.perf_counter() - t0
         per = ", ".join(f"{s} {t:.3f}" for s, t in sorted(taus.items()) if s != "all")
         log.info(
@@ -180,8 +197,8 @@ class PeriodicEval:
             return None
         self.last_step = step
         t0 = time.perf_counter()
-        with self.lock:
-            rec = self._record(step, self.periodic, VALIDATION, t0)
+        with self.lock:  # no bar: this runs between training steps, under the training bar
+            rec = self._record(step, self.periodic, VALIDATION, t0, progress=False)
         tau = rec["eval/tau"]
         if tau > self.best:
             self.best = tau
@@ -202,7 +219,7 @@ class PeriodicEval:
             return None
         t0 = time.perf_counter()
         with self.lock:
-            rec = self._record(step, self.report, "heldout", t0)
+            rec = self._record(step, self.report, "heldout", t0, self.cfg.metrics.console)
         return rec
 
     def close(self) -> None:

@@ -15,20 +15,17 @@ until the next full GC (a soak calling train() repeatedly saw RSS climb by ~230 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from dflash_trainer.checkpoint import (
     AsyncCheckpointWriter,
@@ -41,6 +38,7 @@ from dflash_trainer.models.export import export_drafter, export_weights, trainin
 from dflash_trainer.observe.balance import assess as assess_balance
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.monitor import Monitor
+from dflash_trainer.observe.progress import console_above_bar, progress_bar
 from dflash_trainer.observe.ranks import MergingSink, merge_snapshots, rank_snapshot
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.observe.sinks import build_sinks
@@ -137,29 +135,6 @@ def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler
     return h
 
 
-def console_above_bar(bar) -> contextlib.ExitStack:
-    """While `bar` is shown, console log lines go through tqdm.write: printed above the bar,
-    never through it (tqdm's logging_redirect_tqdm, at the console handlers' own level so DEBUG
-    stays in the run log). File handlers are untouched. Close the returned stack to restore."""
-    stack = contextlib.ExitStack()
-    root = logging.getLogger()
-    console = [
-        h
-        for h in root.handlers
-        if type(h) is logging.StreamHandler and h.stream in (sys.stdout, sys.stderr)
-    ]
-    if bar is None or not console:
-        return stack
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    before = list(root.handlers)
-    stack.enter_context(logging_redirect_tqdm(tqdm_class=type(bar)))
-    for h in root.handlers:
-        if h not in before:
-            h.setLevel(min(c.level for c in console))
-    return stack
-
-
 def check_taps(cfg: Config, step: TargetStep, name: str) -> None:
     if not cfg.target.check_taps or not hasattr(step.target, "check_taps"):
         return
@@ -231,12 +206,11 @@ class Trainer:
         if observe and self.rank == 0 and cfg.metrics.console:
             # With a time budget the step count is not known in advance (total_steps is only
             # the epochs' cap): the bar counts steps and its postfix shows the time left.
-            self.bar = tqdm(
-                total=None if parts.budget is not None else parts.total_steps,
+            self.bar = progress_bar(
+                None if parts.budget is not None else parts.total_steps,
                 initial=self.start_steps,
                 desc="train",
                 unit="step",
-                dynamic_ncols=True,
             )
         self.signals = SignalGuard()
         p = cfg.pipeline
