@@ -193,6 +193,75 @@ def test_build_dataset_stats(chatml_tokenizer, tmp_path):
     assert ds.stats["dropped_short"] == 1 and ds.stats["truncated"] == 0
 
 
+# ChatML that renders tool calls (Qwen-style, in the assistant turn) and tool answers.
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} "
+    "{{ c.function.arguments }}</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A ShareGPT tool-use record: the call is the model's turn (supervised), the answer is not.
+TOOL_RECORD = {
+    "id": "t1",
+    "conversations": [
+        {"from": "human", "value": "what is 2 + 3 ?"},
+        {"from": "function_call", "value": '{"name": "add", "arguments": "2 3"}'},
+        {"from": "observation", "value": "5"},
+        {"from": "gpt", "value": "5 ."},
+    ],
+}
+
+
+def _tool_conversation() -> Conversation:
+    from dflash_trainer.data.sources import parse_record
+
+    _, messages = parse_record(TOOL_RECORD)
+    return Conversation("t1", messages, "tools.jsonl")
+
+
+def test_tool_turns_render_and_only_assistant_turns_are_supervised(tmp_path):
+    tok = word_tokenizer(CHATML_SPECIALS, TOOL_TEMPLATE)
+    conv = _tool_conversation()
+    text, spans = chat.render_with_spans(tok, conv.messages)
+    assert "<|im_start|>tool\n5<|im_end|>" in text  # the tool answer is in the context
+    assert [text[s:e] for s, e in spans] == [
+        "<tool_call>add 2 3</tool_call><|im_end|>",  # the call: written by the model
+        "5 .<|im_end|>",
+    ]
+    tool_at = text.index("<|im_start|>tool")
+    assert all(not s <= tool_at < e for s, e in spans)
+    # the same mask through the dataset path (the one training uses)
+    ds = build_dataset(DataConfig(max_length=128), tok, [conv], cache_dir=tmp_path)
+    ex = tokenize_conversation(tok, conv.messages, 128, "truncate")
+    assert ds.loss_mask[0].tolist() == ex.loss_mask
+    runs = masked_runs(tok, ex)
+    assert len(runs) == 2 and runs[1] == ["5", " ", ".", "<|im_end|>"]
+    assert runs[0][-1] == "<|im_end|>" and "2" in runs[0] and "3" in runs[0]
+    # the tool turn's tokens (header, answer, end) are all there and none is supervised
+    tool_end = text.index("<|im_end|>", tool_at) + len("<|im_end|>")
+    offs = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    in_tool = [k for k, (a, _) in enumerate(offs) if tool_at <= a < tool_end]
+    assert len(in_tool) == 5 and not any(ex.loss_mask[k] for k in in_tool)
+
+
+def test_template_that_rejects_tool_turns_says_so(tmp_path):
+    rejecting = CHATML_TEMPLATE.replace(
+        "{% for message in messages %}",
+        "{% for message in messages %}{% if message['role'] == 'tool' %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}",
+    )
+    tok = word_tokenizer(CHATML_SPECIALS, rejecting)
+    with pytest.raises(
+        UserError,
+        match=r"rejected conversation 't1' of tools\.jsonl: Conversation roles must alternate"
+        r".*drop the tool turns",
+    ):
+        build_dataset(DataConfig(max_length=128), tok, [_tool_conversation()], cache_dir=tmp_path)
+    with pytest.raises(UserError, match=r"rejected the conversation: .*drop the tool turns"):
+        tokenize_conversation(tok, _tool_conversation().messages, 128, "truncate")
+
+
 def test_split_heldout_by_conversation():
     ids = [f"c{i // 3}" for i in range(30)]  # each conversation appears 3x (weighting)
     ds = TokenizedDataset([np.arange(4)] * 30, [np.ones(4)] * 30, ids)

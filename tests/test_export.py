@@ -142,3 +142,16 @@ def test_config_errors(exported, tmp_path):
         load_drafter(out)
     with pytest.raises(UserError, match="does not exist"):
         load_drafter(tmp_path / "nowhere")
+
+
+def test_training_record_keeps_the_target_revision():
+    from dflash_trainer.config import Config, to_dict
+    from dflash_trainer.models.export import training_record
+
+    cfg = Config()
+    cfg.target.model, cfg.target.revision = "org/tiny-target", "v1.0"
+    rec = training_record(to_dict(cfg), step=3)
+    assert rec["target"]["model"] == "org/tiny-target" and rec["target"]["revision"] == "v1.0"
+    assert rec["config"]["target"]["revision"] == "v1.0"  # eval --drafter loads that revision
+    cfg.target.revision = ""
+    assert training_record(to_dict(cfg))["target"]["revision"] is None  # main

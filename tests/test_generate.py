@@ -257,6 +257,11 @@ def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch):
     assert gen.ensure_embedded_responses(cfg) == path
     cfg.target.dtype = "bfloat16"  # other settings -> another file
     assert gen.embedded_responses_path(cfg) != path
+    cfg.target.dtype = "auto"
+    cfg.target.model = "org/tiny"
+    hub_main = gen.embedded_responses_path(cfg)
+    cfg.target.revision = "v1.0"  # another revision of the target answers differently
+    assert gen.embedded_responses_path(cfg) not in (path, hub_main)
 
 
 @pytest.mark.slow

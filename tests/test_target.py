@@ -350,3 +350,120 @@ def test_embedded_explicit_taps_and_remote_code_warning(caplog):
         )
     assert "trust_remote_code is on" in caplog.text
     assert t.layer_ids == [3, 29] and t.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------- target.revision, attn_implementation
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A tiny saved target (model + ChatML tokenizer) that from_pretrained loads offline."""
+    from conftest import CHATML_SPECIALS, CHATML_TEMPLATE, word_tokenizer
+
+    d = tmp_path_factory.mktemp("target")
+    tiny_llama(layers=6).save_pretrained(d)
+    word_tokenizer(CHATML_SPECIALS, CHATML_TEMPLATE).save_pretrained(d)
+    return d
+
+
+def _record_from_pretrained(monkeypatch, target_dir) -> dict:
+    """AutoTokenizer / AutoModelForCausalLM.from_pretrained record (path, kwargs) and load
+    `target_dir` instead of the Hub name (no network)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    calls = {}
+
+    def recording(kind, real):
+        def from_pretrained(path, **kwargs):
+            calls[kind] = (path, kwargs)
+            return real(str(target_dir), **{k: v for k, v in kwargs.items() if k != "revision"})
+
+        return from_pretrained
+
+    monkeypatch.setattr(
+        AutoTokenizer, "from_pretrained", recording("tokenizer", AutoTokenizer.from_pretrained)
+    )
+    monkeypatch.setattr(
+        AutoModelForCausalLM,
+        "from_pretrained",
+        recording("model", AutoModelForCausalLM.from_pretrained),
+    )
+    return calls
+
+
+def test_load_passes_revision_and_attn_implementation(monkeypatch, target_dir):
+    calls = _record_from_pretrained(monkeypatch, target_dir)
+    cfg = TargetConfig(
+        model="org/tiny", revision="v1.0", attn_implementation="eager", taps=[1, 3], dtype="float32"
+    )
+    target = TargetModel.load(cfg, "cpu")
+    assert calls["tokenizer"] == ("org/tiny", {"trust_remote_code": False, "revision": "v1.0"})
+    assert calls["model"] == (
+        "org/tiny",
+        {
+            "dtype": torch.float32,
+            "trust_remote_code": False,
+            "revision": "v1.0",
+            "attn_implementation": "eager",
+        },
+    )
+    assert target.attn_implementation == "eager" and target.takes_4d_mask
+    # defaults: the main revision and transformers' kernel, so neither kwarg is passed
+    TargetModel.load(TargetConfig(model="org/tiny", taps=[1, 3]), "cpu")
+    assert calls["tokenizer"][1] == {"trust_remote_code": False}
+    assert not {"revision", "attn_implementation"} & set(calls["model"][1])
+
+
+def test_revision_of_a_local_target_is_refused(target_dir):
+    for model in (str(target_dir), "embedded:smollm2"):
+        with pytest.raises(UserError, match="applies to Hugging Face hub names.*Unset"):
+            TargetModel.load(TargetConfig(model=model, revision="v1.0"), "cpu")
+
+
+def test_unknown_attn_implementation_is_a_config_error():
+    from dflash_trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, None, ["--target.attn_implementation=flash_attn2"])
+    msg = str(e.value)
+    assert "target.attn_implementation: 'flash_attn2' is not one of" in msg
+    assert "'sdpa'" in msg and "flash_attention_2" in msg
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed"
+)
+def test_missing_flash_attention_package_is_named(target_dir):
+    cfg = TargetConfig(model=str(target_dir), attn_implementation="flash_attention_2")
+    with pytest.raises(
+        UserError,
+        match=r"cannot load .*FlashAttention2.*install the package that "
+        r"target\.attn_implementation=flash_attention_2 needs, or choose sdpa",
+    ):
+        TargetModel.load(cfg, "cpu")
+
+
+def test_flex_attention_target_gets_no_tensor_mask(target_dir):
+    """Training hands eager/SDPA a prepared 4-D mask; flex (and flash) attention are causal by
+    themselves and fail on one, so the target step gives them none: same features as eager."""
+    from dflash_trainer.pipeline.steps import TargetStep
+
+    def load(impl):
+        cfg = TargetConfig(
+            model=str(target_dir), attn_implementation=impl, taps=[1, 3], dtype="float32"
+        )
+        target = TargetModel.load(cfg, "cpu")
+        return target, TargetStep(target, torch.device("cpu"), torch.float32)
+
+    flex, flex_step = load("flex_attention")
+    eager, eager_step = load("eager")
+    assert flex.attn_implementation == "flex_attention" and not flex.takes_4d_mask
+    assert flex_step._causal_mask(9) is None and eager_step._causal_mask(9) is not None
+    flex_step.check()  # the tap check through the step's own capture path
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert_close(
+        flex.features(ids, flex_step._causal_mask(9)),
+        eager.features(ids, eager_step._causal_mask(9)),
+        atol=1e-5,
+        rtol=1e-5,
+    )

@@ -11,7 +11,9 @@ special token (the end-of-turn token, e.g. `<|im_end|>` / `<|eot_id|>`; ChatML's
 is not something the model generates). This only works if the template is prefix-stable: P_i
 must be a prefix of Q_i, and Q_i a prefix of the full text. Both are checked; a template that
 re-renders history (e.g. strips reasoning from earlier turns) raises a UserError, never a wrong
-mask.
+mask. Tool turns (role 'tool') are rendered as context and never supervised; an assistant turn's
+tool calls are. A template that refuses a conversation (e.g. one without tool support meeting a
+tool turn) raises a UserError naming the conversation.
 
 Characters map to tokens through ONE tokenization of the full text (offset mapping), so the ids
 are exactly what the model sees; a token is supervised iff its first character is supervised.
@@ -140,6 +142,34 @@ def render_with_spans(
     return full, spans
 
 
+def _render_conversation(
+    tokenizer,
+    messages: list[dict],
+    template_kwargs: dict | None,
+    specials: tuple[str, ...] | None,
+    open_last: bool,
+    where: str,
+) -> tuple[str, list[tuple[int, int]]]:
+    """`render_with_spans`, with the template's own refusal of a conversation (its
+    `raise_exception`, or a field it cannot read) turned into an error naming `where`."""
+    from jinja2.exceptions import TemplateError  # jinja2 comes with transformers
+
+    try:
+        return render_with_spans(tokenizer, messages, template_kwargs, specials, open_last)
+    except TemplateError as e:
+        tools = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        fix = (
+            "It has tool turns (role 'tool' or assistant tool calls), which this template may "
+            "not support: drop the tool turns (or the records that have them) from the data, "
+            "or use a target whose chat template renders tools."
+            if tools
+            else "Fix the record, or set `tokenizer.chat_template` to a template that accepts it."
+        )
+        raise UserError(
+            f"chat template of tokenizer '{_tok_name(tokenizer)}' rejected {where}: {e}. {fix}"
+        ) from None
+
+
 def _mask_from_offsets(offsets, spans) -> np.ndarray:
     starts = np.fromiter((o[0] for o in offsets), dtype=np.int64, count=len(offsets))
     mask = np.zeros(len(offsets), dtype=np.uint8)
@@ -199,7 +229,9 @@ def tokenize_conversation(
     if overlong not in ("truncate", "drop"):
         raise UserError(f"data.overlong: {overlong!r} is not 'truncate' or 'drop'.")
     _check_template(tokenizer)
-    text, spans = render_with_spans(tokenizer, messages, template_kwargs, open_last=open_last)
+    text, spans = _render_conversation(
+        tokenizer, messages, template_kwargs, None, open_last, "the conversation"
+    )
     (ids,), (offs,) = _encode(tokenizer, [text])
     return _finish(
         ids, _mask_from_offsets(offs, spans), max_length, overlong, min_supervised, stats
@@ -363,12 +395,13 @@ def _tokenize_all(
         for lo in range(0, len(conversations), chunk):
             part = conversations[lo : lo + chunk]
             rendered = [
-                render_with_spans(
+                _render_conversation(
                     tokenizer,
                     c.messages,
                     template_kwargs,
                     specials,
-                    open_last=bool(getattr(c, "truncated", False)),
+                    bool(getattr(c, "truncated", False)),
+                    f"conversation '{c.id}' of {c.source}",
                 )
                 for c in part
             ]

@@ -344,6 +344,8 @@ def embedded_responses_path(cfg) -> Path:
 
     key = {
         "target": cfg.target.model,
+        # only when set, so the caches made before target.revision existed stay valid
+        **({"revision": cfg.target.revision} if cfg.target.revision else {}),
         # the dtype the answers are computed in ('auto' differs between machines)
         "dtype": dtype_name(cfg.target.dtype, cfg.pipeline.target_devices[0]),
         "thinking": cfg.target.enable_thinking,

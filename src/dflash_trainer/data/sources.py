@@ -1,10 +1,24 @@
-"""Conversation sources: JSONL / JSON / Parquet files and HF `save_to_disk` dirs -> `Conversation`s.
+"""Conversation sources -> `Conversation`s: JSONL / JSON / Parquet files, HF `save_to_disk` dirs,
+and whatever `datasets.load_dataset` reads (a Hub dataset id or a local dir of data files).
+
+A source spec is `PATH[@W]` or `NAME[:SPLIT][@W]` / `NAME:CONFIG:SPLIT[@W]`. A path that exists
+locally always wins; otherwise an `owner/name` Hub id (or an existing dir followed by `:SPLIT`) is
+loaded with `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`. SPLIT may slice (`train[:1000]`).
+HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are honoured by `datasets` itself.
 
 Two record shapes are accepted:
 
-    ShareGPT  {"id"?: ..., "conversations": [{"from": "human|user|gpt|assistant|system",
+    ShareGPT  {"id"?: ..., "conversations": [{"from": "human|user|gpt|assistant|system|
+                                                       tool|observation|function_call",
                                               "value": str}]}
-    OpenAI    {"id"?: ..., "messages":      [{"role": "system|user|assistant", "content": str}]}
+    OpenAI    {"id"?: ..., "messages":      [{"role": "system|user|assistant|tool",
+                                              "content": str, "tool_calls"?: [...],
+                                              "tool_call_id"?: str, "name"?: str}]}
+
+Tool use: a `tool` message (ShareGPT `tool` / `observation`) is the tool's answer, rendered by the
+chat template and never supervised. An assistant message's `tool_calls` are kept for the template;
+a ShareGPT `function_call` turn (a JSON {"name", "arguments"} object or a list of them) becomes an
+assistant message with those `tool_calls`: the target writes the call, so it is supervised.
 
 Every reader yields `(locator, record)` pairs where the locator ("line 12", "row 7", "item 3") is
 what an error message names. Line numbers are 1-based (as editors show them); row and item numbers
@@ -24,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,22 +50,32 @@ from dflash_trainer.errors import DataError, UserError
 
 SKIP_HINT = "set data.on_bad_record=skip to skip such records"
 
-# ShareGPT speaker names -> OpenAI roles.
+# ShareGPT speaker names -> OpenAI roles ("function_call" is read by _function_call).
 _SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
     "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+    "function_call": "assistant",
 }
-_OPENAI_ROLES = ("system", "user", "assistant")
+_OPENAI_ROLES = ("system", "user", "assistant", "tool")
+# Optional OpenAI message fields kept for the chat template, by role.
+_TOOL_FIELDS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
+
+HF_EXTRA_HINT = "pip install 'dflash-trainer[hf]'"
+# owner/name, as the Hub spells dataset ids (a file name with a data suffix is never one)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
 
 
 @dataclass
 class Conversation:
     id: str
-    messages: list[dict]  # [{"role": "system|user|assistant", "content": str}]
-    source: str  # the file/dir it came from
+    messages: list[dict]  # [{"role": "system|user|assistant|tool", "content": str, ...}]
+    source: str  # the source spec it came from (file, dir or dataset name, without '@W')
     # the last assistant turn was cut at a generation limit (finish_reason "length"): it must not
     # end with an end-of-turn token the model never produced (data.truncated)
     truncated: bool = False
@@ -126,7 +151,8 @@ def _resolve(path_str: str, roots: tuple | list) -> Path:
     if not p.exists():
         raise UserError(
             f"data.sources: '{path_str}' does not exist. Check the path (relative "
-            "paths are relative to the working directory)."
+            "paths are relative to the working directory); a Hugging Face Hub dataset is "
+            "written owner/name[:split]."
         )
     rp = p.resolve()
     if roots:
@@ -138,6 +164,64 @@ def _resolve(path_str: str, roots: tuple | list) -> Path:
                 "data.roots."
             )
     return p
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A source read with `datasets.load_dataset(name, config, split=split)`; `name` is a Hub
+    dataset id or a local dir of data files."""
+
+    name: str
+    config: str | None = None
+    split: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The spec as written (NAME[:CONFIG][:SPLIT]): what messages name."""
+        return ":".join(x for x in (self.name, self.config, self.split) if x)
+
+    @property
+    def stem(self) -> str:
+        """Conversation ids without an 'id' field: '<stem>:<row>', e.g. 'ultrachat_200k:train_sft:7'
+        (the split is part of it, so two splits of one dataset never share ids)."""
+        return ":".join(x for x in (Path(self.name).name, self.config, self.split) if x)
+
+
+# ':' that is not inside a split slice such as 'train[:10%]'
+_SPEC_COLON = re.compile(r":(?![^\[]*\])")
+
+
+def dataset_spec(path_str: str) -> DatasetSpec | None:
+    """`path_str` as a `load_dataset` source, or None: an existing local path wins (it is read as
+    a file or dir), and a name that is neither an `owner/name` Hub id nor an existing dir
+    followed by ':SPLIT' is left to the local-path error ('does not exist')."""
+    if Path(path_str).expanduser().exists():
+        return None
+    name, *rest = _SPEC_COLON.split(path_str)
+    is_hub_id = _HUB_ID.fullmatch(name) and not name.lower().endswith(_DATA_SUFFIXES)
+    if not (is_hub_id or (rest and Path(name).expanduser().is_dir())):
+        return None
+    if len(rest) > 2 or not all(rest):
+        raise UserError(
+            f"data.sources: '{path_str}' is not NAME, NAME:SPLIT or NAME:CONFIG:SPLIT "
+            "(e.g. 'HuggingFaceH4/ultrachat_200k:train_sft')."
+        )
+    config = rest[0] if len(rest) == 2 else None
+    split = rest[-1] if rest else None
+    return DatasetSpec(name, config, split)
+
+
+def _check_dataset_roots(spec: DatasetSpec, roots) -> None:
+    """data.roots confines data to local dirs: a local dataset dir must lie under one, and no
+    Hub dataset is downloaded."""
+    if Path(spec.name).expanduser().is_dir():
+        _resolve(spec.name, roots)
+    elif roots:
+        raise UserError(
+            f"data.sources: '{spec.label}' is not a local path, and data.roots allows only "
+            "local data; download the dataset into one of the roots and list it there, or "
+            "unset data.roots."
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,6 +324,47 @@ def _read_hf_dir(p: Path) -> Iterator[tuple[str, Any]]:
         yield f"row {i}", rec
 
 
+def _read_dataset(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
+    """Rows of `datasets.load_dataset(spec.name, spec.config, split=spec.split)`."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"data.sources: '{spec.label}' is read with datasets.load_dataset, which needs the "
+            f"`datasets` package: {HF_EXTRA_HINT}. Or give a local JSONL/JSON/Parquet file."
+        ) from None
+    try:
+        ds = datasets.load_dataset(spec.name, spec.config, split=spec.split)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        cause = str(e).splitlines()[0] if str(e) else ""
+        if Path(spec.name).expanduser().is_dir():
+            hint = (
+                "Check that the directory holds data files (JSONL/JSON/Parquet/CSV) and the "
+                "split name, or list the files in data.sources instead"
+            )
+        else:
+            hint = (
+                "It is not a local path, so it was read as a Hugging Face Hub dataset: check "
+                "the id, config and split (NAME:SPLIT or NAME:CONFIG:SPLIT) and that the Hub is "
+                "reachable or the dataset is in the HF cache (HF_HUB_OFFLINE=1 reads only the "
+                "cache); or download it and give the local file or dir"
+            )
+        raise DataError(
+            f"data.sources: cannot load '{spec.label}' with datasets.load_dataset "
+            f"({type(e).__name__}: {cause}). {hint}."
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):  # no split named
+        names = sorted(ds)
+        if len(names) != 1:
+            raise DataError(
+                f"data.sources: '{spec.label}' has the splits {', '.join(names)}; name one, "
+                f"e.g. '{spec.label}:{names[0]}'."
+            )
+        ds = ds[names[0]]
+    for i, rec in enumerate(ds):
+        yield f"row {i}", rec
+
+
 def _reader_for(p: Path):
     if p.is_dir():
         if (
@@ -248,11 +373,8 @@ def _reader_for(p: Path):
             or (p / "dataset_dict.json").exists()
         ):
             return _read_hf_dir
-        raise UserError(
-            f"data.sources: '{p}' is a directory but not a dataset saved with "
-            "datasets.save_to_disk (no dataset_info.json/state.json); list the files "
-            "instead."
-        )
+        # a dir of data files, e.g. a downloaded Hub dataset: load_dataset infers the format
+        return lambda d: _read_dataset(DatasetSpec(str(d)))
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl
@@ -262,8 +384,18 @@ def _reader_for(p: Path):
         return _read_parquet
     raise UserError(
         f"data.sources: '{p}' has an unknown extension '{p.suffix}'; use .jsonl, "
-        ".json, .parquet or a save_to_disk dir."
+        ".json, .parquet, a dataset dir, or a Hub dataset id (owner/name[:split])."
     )
+
+
+def _open_source(path_str: str, roots) -> tuple[str, str, Iterator[tuple[str, Any]]]:
+    """(name that messages give, id stem, records) of one source."""
+    spec = dataset_spec(path_str)
+    if spec is not None:
+        _check_dataset_roots(spec, roots)
+        return spec.label, spec.stem, _read_dataset(spec)
+    p = _resolve(path_str, roots)
+    return str(p), (p.stem if p.is_file() else p.name), _reader_for(p)(p)
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,9 +431,9 @@ def parse_record(rec: Any) -> tuple[Any, list[dict]]:
     if not isinstance(rec, dict):
         raise BadRecord("<record>", f"expected a JSON object, got {type(rec).__name__}")
     if "messages" in rec and rec["messages"] is not None:
-        key, role_key, text_key, roles = "messages", "role", "content", None
+        key, parse_turn = "messages", _openai_message
     elif "conversations" in rec and rec["conversations"] is not None:
-        key, role_key, text_key, roles = "conversations", "from", "value", _SHAREGPT_ROLES
+        key, parse_turn = "conversations", _sharegpt_message
     else:
         raise BadRecord(
             "messages",
@@ -316,31 +448,91 @@ def parse_record(rec: Any) -> tuple[Any, list[dict]]:
         where = f"{key}[{i}]"
         if not isinstance(t, dict):
             raise BadRecord(where, f"expected an object, got {type(t).__name__}")
-        if role_key not in t:
-            raise BadRecord(f"{where}.{role_key}", "missing")
-        role = t[role_key]
-        if not isinstance(role, str):
-            raise BadRecord(f"{where}.{role_key}", f"expected a string, got {type(role).__name__}")
-        if roles is None:
-            if role not in _OPENAI_ROLES:
-                raise BadRecord(
-                    f"{where}.{role_key}",
-                    f"unknown role {role!r} (expected one of {', '.join(_OPENAI_ROLES)})",
-                )
-        else:
-            if role not in roles:
-                raise BadRecord(
-                    f"{where}.{role_key}",
-                    f"unknown speaker {role!r} (expected one of {', '.join(roles)})",
-                )
-            role = roles[role]
-        if text_key not in t:
-            raise BadRecord(f"{where}.{text_key}", "missing")
-        messages.append({"role": role, "content": _content(t[text_key], f"{where}.{text_key}")})
+        messages.append(parse_turn(t, where))
     rid = rec.get("id")
     if rid is not None and not isinstance(rid, (str, int)):
         raise BadRecord("id", f"expected a string or integer, got {type(rid).__name__}")
     return rid, messages
+
+
+def _speaker(t: dict, key: str, where: str, known) -> str:
+    if key not in t:
+        raise BadRecord(f"{where}.{key}", "missing")
+    value = t[key]
+    if not isinstance(value, str):
+        raise BadRecord(f"{where}.{key}", f"expected a string, got {type(value).__name__}")
+    if value not in known:
+        kind = "role" if key == "role" else "speaker"
+        raise BadRecord(
+            f"{where}.{key}", f"unknown {kind} {value!r} (expected one of {', '.join(known)})"
+        )
+    return value
+
+
+def _openai_message(t: dict, where: str) -> dict:
+    role = _speaker(t, "role", where, _OPENAI_ROLES)
+    extra = _tool_fields(t, role, where)
+    # An assistant message that only calls tools may leave out its content (OpenAI API form).
+    if "content" not in t and "tool_calls" not in extra:
+        raise BadRecord(f"{where}.content", "missing")
+    return {"role": role, "content": _content(t.get("content"), f"{where}.content"), **extra}
+
+
+def _sharegpt_message(t: dict, where: str) -> dict:
+    speaker = _speaker(t, "from", where, _SHAREGPT_ROLES)
+    if "value" not in t:
+        raise BadRecord(f"{where}.value", "missing")
+    if speaker == "function_call":
+        return _function_call(t["value"], f"{where}.value")
+    return {"role": _SHAREGPT_ROLES[speaker], "content": _content(t["value"], f"{where}.value")}
+
+
+def _tool_fields(t: dict, role: str, where: str) -> dict:
+    """The optional tool-use fields of an OpenAI message, kept for the chat template. None counts
+    as absent: Arrow-backed readers (Parquet, `datasets`) give every message every field."""
+    out = {}
+    for key in _TOOL_FIELDS.get(role, ()):
+        value = t.get(key)
+        if value is None or value == []:
+            continue
+        if key == "tool_calls":
+            if not (isinstance(value, list) and all(isinstance(c, dict) for c in value)):
+                raise BadRecord(f"{where}.{key}", "expected a list of tool-call objects")
+        elif not isinstance(value, str):
+            raise BadRecord(f"{where}.{key}", f"expected a string, got {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+def _function_call(value: Any, field_name: str) -> dict:
+    """A ShareGPT `function_call` turn -> an assistant message with OpenAI `tool_calls`, so the
+    chat template renders the call the way the target writes it."""
+    calls = value
+    if isinstance(value, str):
+        try:
+            calls = json.loads(value)
+        except json.JSONDecodeError:
+            calls = None
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not (
+        isinstance(calls, list)
+        and calls
+        and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls)
+    ):
+        raise BadRecord(
+            field_name,
+            'a function_call turn must hold a JSON object {"name": str, "arguments": ...} '
+            "or a list of them",
+        )
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments")}}
+            for c in calls
+        ],
+    }
 
 
 def finish_reason(rec: dict) -> str | None:
@@ -354,8 +546,11 @@ def finish_reason(rec: dict) -> str | None:
 
 
 def _has_response(messages: list[dict]) -> bool:
+    """Some assistant turn to learn from: text, or a tool call."""
     return any(
-        m["role"] == "assistant" and m["content"] and not m["content"].isspace() for m in messages
+        m["role"] == "assistant"
+        and (m.get("tool_calls") or (m["content"] and not m["content"].isspace()))
+        for m in messages
     )
 
 
@@ -370,18 +565,17 @@ def read_source(
     """Read one source (no weighting). Counts go to `stats`."""
     if on_bad_record not in ("error", "skip"):
         raise UserError(f"data.on_bad_record: {on_bad_record!r} is not 'error' or 'skip'.")
-    p = _resolve(str(path), roots)
+    name, stem, records = _open_source(str(path), roots)
     stats = stats if stats is not None else SourceStats(str(path), 1.0)
-    stem = p.stem if p.is_file() else p.name
     out: list[Conversation] = []
-    for loc, rec in _reader_for(p)(p):
+    for loc, rec in records:
         stats.read += 1
         try:
             if isinstance(rec, BadRecord):
                 raise rec
             rid, messages = parse_record(rec)
         except BadRecord as e:
-            msg = f"{p}: {loc}: field '{e.field}': {e.problem}."
+            msg = f"{name}: {loc}: field '{e.field}': {e.problem}."
             if on_bad_record == "skip":
                 stats.bad += 1
                 if len(stats.first_errors) < 5:
@@ -394,7 +588,7 @@ def read_source(
         cid = str(rid) if rid is not None else f"{stem}:{loc.split()[-1]}"
         out.append(Conversation(cid, messages, str(path), finish_reason(rec) == "length"))
     if stats.read == 0:
-        raise DataError(f"{p}: the source is empty (no records). Remove it from data.sources.")
+        raise DataError(f"{name}: the source is empty (no records). Remove it from data.sources.")
     stats.kept = len(out)
     return out
 

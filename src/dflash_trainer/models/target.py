@@ -187,6 +187,8 @@ class TargetModel:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # target.attn_implementation as transformers resolved it
+        self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "eager"
         self._backbone = _backbone(model)
         self._cache_kw = cache_kwarg(model)
         self._state = threading.local()
@@ -199,6 +201,12 @@ class TargetModel:
     def layers(self) -> nn.ModuleList:
         """The decoder layers (a drafter can start from copies of the last ones)."""
         return self._layers
+
+    @property
+    def takes_4d_mask(self) -> bool:
+        """Whether the attention kernel reads a prepared additive [B, 1, S, S] mask (eager, SDPA).
+        Flash and flex kernels are causal by themselves and break on a tensor mask."""
+        return self.attn_implementation in ("eager", "sdpa")
 
     @property
     def final_norm(self) -> nn.Module | None:
@@ -220,11 +228,12 @@ class TargetModel:
 
     @classmethod
     def load(cls, target_cfg, device: str | torch.device = "cpu") -> TargetModel:
-        """Load `target_cfg.model` (local dir, hub name, or 'embedded:smollm2'), frozen, in eval
-        mode."""
+        """Load `target_cfg.model` (local dir, hub name at `target.revision`, or
+        'embedded:smollm2') with `target.attn_implementation`, frozen, in eval mode."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         name = target_cfg.model
+        common = _common_load_kwargs(target_cfg)  # checked before converting an embedded model
         if name.startswith(EMBEDDED_PREFIX):
             path = str(
                 embedded.embedded_target_dir(
@@ -237,19 +246,31 @@ class TargetModel:
         trc = bool(target_cfg.trust_remote_code)
         if trc:
             log.warning("target.trust_remote_code is on: %s may run its own Python code.", name)
+        attn = _attn_kwargs(target_cfg)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trc)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trc)
+            tokenizer = AutoTokenizer.from_pretrained(path, **common)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common, **attn)
+        except ImportError as e:  # a flash-attention kernel (or a remote code dependency)
+            fix = (
+                f"install the package that target.attn_implementation={attn['attn_implementation']}"
+                " needs, or choose sdpa (or auto)"
+                if attn
+                else "install the missing package"
+            )
+            raise UserError(
+                f"target.model: cannot load '{name}': {_first_line(e)} ({fix})."
+            ) from None
         except (OSError, ValueError) as e:
+            at = f" at target.revision '{common['revision']}'" if "revision" in common else ""
             hint = (
                 "it is not a local directory, so it must be a Hugging Face hub name that is "
-                "reachable or already in the HF cache"
+                f"reachable or already in the HF cache{at}"
                 if not Path(path).is_dir()
                 else "the directory does not hold a loadable HF causal LM"
             )
             raise UserError(
                 f"target.model: cannot load '{name}': {hint}. Cause: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                f"{type(e).__name__}: {_first_line(e)}"
             ) from None
         model.to(device)
         layers = decoder_layers(model)
@@ -417,6 +438,33 @@ class TargetModel:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _common_load_kwargs(target_cfg) -> dict:
+    """from_pretrained kwargs shared by the tokenizer and the model: remote code, revision."""
+    kwargs = {"trust_remote_code": bool(target_cfg.trust_remote_code)}
+    revision = target_cfg.revision
+    if revision:
+        model = target_cfg.model
+        if model.startswith(EMBEDDED_PREFIX) or Path(model).expanduser().is_dir():
+            # from_pretrained would ignore it, and training.json would record a revision that
+            # was never used
+            raise UserError(
+                f"target.revision='{revision}' applies to Hugging Face hub names; "
+                f"'{model}' is a local model. Unset target.revision."
+            )
+        kwargs["revision"] = revision
+    return kwargs
+
+
+def _attn_kwargs(target_cfg) -> dict:
+    """The model's attn_implementation kwarg; none for 'auto' (transformers picks)."""
+    impl = target_cfg.attn_implementation
+    return {} if impl == "auto" else {"attn_implementation": impl}
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
 
 
 def _eos_ids(model: nn.Module, tokenizer) -> list[int]:

@@ -46,9 +46,13 @@ class TargetStep:
         self._masks: dict[int, torch.Tensor] = {}
         self.timer = StepTimer(self.device)
 
-    def _causal_mask(self, seq_len: int) -> torch.Tensor:
+    def _causal_mask(self, seq_len: int) -> torch.Tensor | None:
         """[1, 1, S, S] additive causal mask (0 / dtype min), cached per length. Additive, not
-        boolean, so eager and SDPA attention read it the same way."""
+        boolean, so eager and SDPA attention read it the same way. None for flash / flex
+        attention (target.attn_implementation): they are causal without a mask and fail on
+        a tensor one."""
+        if not getattr(self.target, "takes_4d_mask", True):
+            return None
         m = self._masks.get(seq_len)
         if m is None:
             dtype = self.target.dtype
