@@ -728,3 +728,70 @@ def test_smollm2_fp32_random_drafter_lossless():
     ]
     s = evaluate(t, drafter, prompts, 16, 8, warmup=False)
     assert s.lossless is True and s.num_responses == 2 and 1.0 <= s.tau <= 8.0
+
+
+# ------------------------------------------------------------------- adaptive verify
+
+
+def test_adaptive_verify_window():
+    w = sd.AdaptiveVerify(15, window=4, margin=2)
+    assert w.k == 15  # starts at the whole block
+    w.update(1, 15)
+    assert w.k == 3  # most accepted lately + margin
+    w.update(3, 3)
+    assert w.k == 6  # every verified draft accepted: the drafter may reach further
+    w.update(6, 6)
+    w.update(6, 12)
+    assert w.k == 8
+    for _ in range(4):
+        w.update(0, w.k)
+    assert w.k == 2  # the window forgot the long accepts
+    for _ in range(5):
+        w.update(w.k, w.k)
+    assert w.k == 15  # capped at the block
+
+
+@pytest.mark.parametrize("p_wrong", [0.0, 0.3, 0.7, 1.0])
+def test_adaptive_verify_is_lossless_and_verifies_less(p_wrong):
+    """Same tokens as plain greedy; cycles verify at most the whole block, and fewer when the
+    drafter is often wrong."""
+    model = tiny_target("llama")
+    ids = torch.tensor([[5, 17, 42, 9]])
+    ar = ar_generate(model, ids, 60)
+    full = run_spec(model, OracleDrafter(ar.tokens, 4, 16, p_wrong=p_wrong, seed=1), ids, 60, 16)
+    ad = run_spec(
+        model,
+        OracleDrafter(ar.tokens, 4, 16, p_wrong=p_wrong, seed=1),
+        ids,
+        60,
+        16,
+        verify="adaptive",
+    )
+    assert ad.tokens == ar.tokens == full.tokens
+    assert all(2 <= q <= 16 for q in ad.block_sizes[:-1])
+    if p_wrong == 0.0:
+        assert ad.acceptance_lengths == full.acceptance_lengths  # never capped
+    if p_wrong >= 0.7:
+        assert sum(ad.block_sizes) < 0.6 * sum(full.block_sizes)
+
+
+def test_adaptive_verify_lossless_with_a_real_drafter():
+    """A trained drafter through the real LM head: identical tokens to greedy either way."""
+    model = tiny_target("qwen3", seed=3)
+    g = torch.Generator().manual_seed(11)
+    prompts = [random_prompt(g) for _ in range(3)]
+    drafter = _trained_drafter(model, prompts, steps=150)
+    head = model.get_output_embeddings()
+    for ids in prompts:
+        ar = ar_generate(model, ids, 24)
+        t = side(model)
+        ad = spec_generate(
+            model, t.layer_ids, t.embed_weight, head, drafter, ids, 24, 8, verify="adaptive"
+        )
+        assert ad.tokens == ar.tokens
+
+
+def test_verify_policy_is_checked():
+    model = tiny_target("llama")
+    with pytest.raises(ValueError, match="verify"):
+        run_spec(model, None, torch.tensor([[5, 6]]), 4, 1, verify="some")

@@ -458,6 +458,14 @@ class EvalConfig:
     )
     max_new_tokens: int = _f(128, "tokens generated per prompt", unit="tokens", min=1)
     block_size: int = _f(0, "inference block size (0 = training block size)", unit="tokens", min=0)
+    verify: str = _f(
+        "full",
+        "`eval` command: how many drafts each cycle verifies. full = the whole block (the "
+        "published loop; tau is the drafter's acceptance length); adaptive = as many as the "
+        "drafter reached lately, doubling when all are accepted: the same tokens, faster on "
+        "CPUs, where a verify pass costs with its length (tau is then capped tokens per cycle)",
+        choices=("full", "adaptive"),
+    )
     temperature: float = _f(0.0, "0 = greedy; >0 samples with the exact-match rule", min=0.0)
     datasets: list[str] = _f(["heldout"], "prompt sets: heldout, mt-bench, humaneval, or a file")
     top_p: float = _f(1.0, "nucleus sampling mass when temperature > 0", min=0.01, max=1.0)

@@ -1,0 +1,267 @@
+"""Decode loops against their references, and where a draft-verify cycle's time goes, this CPU.
+
+  draft-verify  ours (`eval/specdecode.spec_generate`) vs the published reference loop
+                (`dflash_generate` of the `dflash` package) on the same exported drafter
+  plain greedy  ours (`ar_generate`, the same loop with block 1) vs transformers' `generate`
+
+Same prompts (held-out-style MT-Bench and HumanEval user turns, rendered by the target's chat
+template), same max_new_tokens, stop ids and threads, fp32 (the CPU eval default): tokens/s of
+each (wall time of the whole call, prefill included, so both sides pay the same), the ratios, and
+whether the tokens are identical. The runs alternate per prompt so machine drift hits both.
+
+The cycle profile splits our draft-verify time into the drafter pass (+ its argmax), the target's
+verify pass (+ acceptance and cache crop) and the rest, against one plain greedy step. A cycle
+costs about the same whatever is accepted (the block is always verified whole), so
+`projected speedup at k tokens per cycle = k x (greedy step) / (cycle)`: what a drafter that
+commits k tokens per cycle would give here. The drafter is the preset's, initialised from the
+target and untrained (acceptance ~1), unless --drafter names an export.
+
+At a controlled acceptance: the same real drafter pass runs every cycle, then its first
+--oracle-drafts drafts are replaced by the target's own greedy tokens and the rest by wrong ones,
+so every cycle commits exactly oracle-drafts + 1 tokens: the measured speedup at 3 tokens per
+cycle (the default), for both verify policies (eval.verify: full = the published loop's whole
+block; adaptive = as many drafts as the drafter reached lately).
+
+Run: .venv/bin/python bench/bench_decode.py [--prompts 6] [--max-new-tokens 64]
+     [--drafter DIR] [--oracle-drafts 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.bench_harness import cpu_model
+from dflash_trainer.config import load_config
+from dflash_trainer.data import embedded
+from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.eval import specdecode as sd
+from dflash_trainer.eval.specdecode import ar_generate, spec_generate
+from dflash_trainer.models.export import export_drafter, load_drafter
+from dflash_trainer.models.target import TargetModel
+from dflash_trainer.run.build import build_drafter
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    """n prompts, alternating MT-Bench and HumanEval (first user turn)."""
+    mt, he = embedded.mtbench_prompts(), embedded.humaneval_prompts()
+    convs = [c for pair in zip(mt, he) for c in pair][:n]
+    return [prompt_ids(tokenizer, c.messages[:1], False) for c in convs]
+
+
+def _hf_greedy(model, ids, max_new, stop):
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=stop,
+        pad_token_id=stop[0],
+    )
+    toks = out[0, ids.shape[1] :].tolist()
+    for i, t in enumerate(toks):
+        if t in stop:
+            return toks[: i + 1]
+    return toks
+
+
+def _oracle(greedy: list[int], prompt_len: int, right: int):
+    """A `_draft_block` that pays for the real drafter pass, then drafts `right` correct tokens
+    (the target's greedy continuation) and wrong ones after them."""
+    real = sd._draft_block
+
+    def draft(drafter, target, last, start, ctx, dcache, q, k):
+        block = real(drafter, target, last, start, ctx, dcache, q, k)
+        for i in range(1, block.shape[1]):
+            j = start + i - prompt_len
+            true = greedy[j] if j < len(greedy) else 0
+            block[0, i] = true if i <= right else (true + 1) % target.embed_weight.shape[0]
+        return block
+
+    return draft
+
+
+def _timed(fn, *args, **kw):
+    t0 = time.perf_counter()
+    out = fn(*args, **kw)
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--drafter", default="", help="an exported drafter (default: untrained)")
+    ap.add_argument("--oracle-drafts", type=int, default=2)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    from dflash import model as ref
+
+    from dflash_trainer.eval.reference import _cpu_clock
+
+    cfg = load_config("smollm2-cpu", None, ["--target.dtype=float32"])
+    torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
+    target = TargetModel.load(cfg.target, "cpu")
+    tdir = tempfile.TemporaryDirectory()
+    if args.drafter:
+        drafter, export = load_drafter(args.drafter, device="cpu"), args.drafter
+    else:
+        drafter = build_drafter(cfg, target, "cpu").float()
+        export = str(export_drafter(drafter, Path(tdir.name) / "drafter", torch.float32))
+    drafter.eval()
+    ref_drafter = ref.DFlashDraftModel.from_pretrained(export, dtype=torch.float32).eval()
+    block = drafter.config.block_size
+    stop = list(target.eos_token_ids)
+    model = target.model
+    prompts = _prompts(target.tokenizer, args.prompts)
+    n = args.max_new_tokens
+    t = {k: [] for k in ("spec", "ref", "ar", "hf")}
+    tokens = {k: 0 for k in t}
+    same = {"spec": 0, "ar": 0}
+    cycles = draft_s = verify_s = 0.0
+    committed = 0
+    with torch.inference_mode(), _cpu_clock(ref):
+        for i, p in enumerate(prompts):
+            x = torch.tensor([p])
+            # alternate which side runs first
+            order = ("spec", "ref", "ar", "hf") if i % 2 == 0 else ("ref", "spec", "hf", "ar")
+            out = {}
+            for k in order:
+                if k == "spec":
+                    r, s = _timed(
+                        spec_generate,
+                        model,
+                        target.layer_ids,
+                        target.embed_weight,
+                        target.lm_head,
+                        drafter,
+                        x,
+                        n,
+                        block,
+                        stop_ids=stop,
+                    )
+                    out[k] = r.tokens
+                    cycles += len(r.acceptance_lengths)
+                    committed += sum(r.acceptance_lengths)
+                    draft_s += r.draft_time
+                    verify_s += r.verify_time
+                elif k == "ref":
+                    r, s = _timed(
+                        ref.dflash_generate,
+                        ref_drafter,
+                        model,
+                        x,
+                        n,
+                        stop,
+                        block_size=block,
+                        return_stats=True,
+                    )
+                    out[k] = r.output_ids[0, x.shape[1] :].tolist()
+                elif k == "ar":
+                    r, s = _timed(ar_generate, model, x, n, stop_ids=stop)
+                    out[k] = r.tokens
+                else:
+                    out[k], s = _timed(_hf_greedy, model, x, n, stop)
+                t[k].append(s)
+                tokens[k] += len(out[k])
+            same["spec"] += out["spec"] == out["ref"][: len(out["spec"])]
+            same["ar"] += out["ar"] == out["hf"]
+            print(f"prompt {i}: " + ", ".join(f"{k} {len(out[k])} tok" for k in order))
+        # Controlled acceptance: oracle-drafts + 1 tokens per cycle, full vs adaptive verify.
+        # per policy: seconds, tokens, cycles, drafter seconds, verify seconds
+        oracle = {"full": [0.0, 0, 0, 0.0, 0.0], "adaptive": [0.0, 0, 0, 0.0, 0.0]}
+        greedy_s, greedy_n = 0.0, 0  # plain greedy timed again, beside the oracle runs
+        for i, p in enumerate(prompts):
+            x = torch.tensor([p])
+            g, s_ar = _timed(ar_generate, model, x, n, stop_ids=stop)
+            greedy_s, greedy_n = greedy_s + s_ar, greedy_n + len(g.tokens)
+            saved = sd._draft_block
+            sd._draft_block = _oracle(g.tokens, x.shape[1], args.oracle_drafts)
+            try:
+                for how in ("full", "adaptive") if i % 2 == 0 else ("adaptive", "full"):
+                    r, s_spec = _timed(
+                        spec_generate,
+                        model,
+                        target.layer_ids,
+                        target.embed_weight,
+                        target.lm_head,
+                        drafter,
+                        x,
+                        n,
+                        block,
+                        stop_ids=stop,
+                        verify=how,
+                    )
+                    assert r.tokens == g.tokens, "oracle run not lossless"
+                    for j, v in enumerate(
+                        (s_spec, len(r.tokens), len(r.block_sizes), r.draft_time, r.verify_time)
+                    ):
+                        oracle[how][j] += v
+            finally:
+                sd._draft_block = saved
+    rate = {k: tokens[k] / sum(v) for k, v in t.items()}
+    at_k = {
+        how: {
+            "tokens_per_cycle": o[1] / o[2],
+            "speedup": (o[1] / o[0]) / (greedy_n / greedy_s),
+            "cycle_ms": 1e3 * o[0] / o[2],
+            "draft_ms": 1e3 * o[3] / o[2],
+            "verify_ms": 1e3 * o[4] / o[2],
+            "greedy_step_ms": 1e3 * greedy_s / greedy_n,
+        }
+        for how, o in oracle.items()
+    }
+    ar_step = sum(t["ar"]) / tokens["ar"]
+    cycle = sum(t["spec"]) / cycles  # prefill included: conservative
+    result = {
+        "machine": cpu_model(),
+        "prompts": len(prompts),
+        "max_new_tokens": n,
+        "tokens_per_s": rate,
+        "spec_vs_reference": rate["spec"] / rate["ref"],
+        "ar_vs_hf_generate": rate["ar"] / rate["hf"],
+        "identical_spec": f"{same['spec']}/{len(prompts)}",
+        "identical_ar": f"{same['ar']}/{len(prompts)}",
+        "tokens_per_cycle": committed / cycles,
+        "cycle_ms": 1e3 * cycle,
+        "cycle_draft_ms": 1e3 * draft_s / cycles,
+        "cycle_verify_ms": 1e3 * verify_s / cycles,
+        "greedy_step_ms": 1e3 * ar_step,
+        "cycle_over_greedy_step": cycle / ar_step,
+        "projected_speedup": {k: k * ar_step / cycle for k in (2, 3, 4)},
+        "speedup_measured": rate["spec"] / rate["ar"],
+        "oracle_drafts": args.oracle_drafts,
+        "speedup_at_oracle": at_k,
+    }
+    print(
+        f"\n{result['machine']}: draft-verify ours {rate['spec']:.1f} vs reference "
+        f"{rate['ref']:.1f} tok/s ({result['spec_vs_reference']:.3f}x, identical "
+        f"{result['identical_spec']}); greedy ours {rate['ar']:.1f} vs HF generate "
+        f"{rate['hf']:.1f} ({result['ar_vs_hf_generate']:.3f}x, identical "
+        f"{result['identical_ar']})\ncycle {result['cycle_ms']:.0f} ms = drafter "
+        f"{result['cycle_draft_ms']:.0f} + verify {result['cycle_verify_ms']:.0f} + rest; "
+        f"greedy step {result['greedy_step_ms']:.0f} ms ({result['cycle_over_greedy_step']:.2f} "
+        f"steps per cycle); projected speedup at 2/3/4 tokens per cycle: "
+        + "/".join(f"{v:.2f}" for v in result["projected_speedup"].values())
+        + f"; measured at {result['tokens_per_cycle']:.2f}: {result['speedup_measured']:.2f}x"
+        + "\nat a controlled acceptance: "
+        + "; ".join(
+            f"{how} verify {v['tokens_per_cycle']:.2f} tokens per cycle, speedup "
+            f"{v['speedup']:.2f}x (cycle {v['cycle_ms']:.0f} ms: drafter {v['draft_ms']:.0f}, "
+            f"verify {v['verify_ms']:.0f}; greedy step {v['greedy_step_ms']:.0f})"
+            for how, v in at_k.items()
+        )
+    )
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    tdir.cleanup()
+
+
+if __name__ == "__main__":
+    main()
