@@ -22,7 +22,7 @@ so every cycle commits exactly oracle-drafts + 1 tokens: the measured speedup at
 cycle (the default), for both verify policies (eval.verify: full = the published loop's whole
 block; adaptive = as many drafts as the drafter reached lately).
 
-Run: .venv/bin/python bench/bench_decode.py [--prompts 6] [--max-new-tokens 64]
+Run: .venv/bin/python bench/bench_decode.py [--prompts 4] [--max-new-tokens 64]
      [--drafter DIR] [--oracle-drafts 2] [--json OUT]
 """
 
@@ -94,7 +94,7 @@ def _timed(fn, *args, **kw):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--drafter", default="", help="an exported drafter (default: untrained)")
     ap.add_argument("--oracle-drafts", type=int, default=2)

@@ -1,6 +1,10 @@
 """Pipeline throughput on the embedded target, as ratios measured side by side in one run.
 
 Rows (each a median over paired repeats, runs interleaved so machine noise hits all alike):
+  pipelined / fixed split       core sharing (pipeline.share_cores, pipeline/cores.py) against
+                                the fixed target_thread_share split, at the preset's shape and
+                                at a drafter-bound one (drafter.loss_slots=0: the LM head on
+                                every slot), where the target waits on a full queue
   pipelined / sequential        our two schedules, same step functions, same batches
   pipelined / colocated loop    a plain loop written the way existing DFlash trainers are:
                                 HF forward with output_hidden_states, then the drafter step,
@@ -28,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_trainer.bench_harness import cpu_model
 from dflash_trainer.config import load_config
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
@@ -81,10 +86,15 @@ def _autocast(cfg):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.pipeline.precision == "bf16")
 
 
+CPU_S: list[float] = []  # process CPU seconds / wall seconds of each run_ours call
+
+
 def run_ours(target, ds, steps, schedule, observe=True, extra=()) -> float:
     with tempfile.TemporaryDirectory() as d:
         cfg = make_cfg(d, steps, schedule, extra)
+        c0 = time.process_time()
         r = train(cfg, target=target, train_set=ds, observe=observe)
+        CPU_S.append((time.process_time() - c0) / r.wall_s)
         return r.tokens / r.wall_s
 
 
@@ -228,13 +238,29 @@ def main() -> None:
     # Warm-up (allocator, kernels) outside the measurement.
     run_ours(target, ds, 2, "pipelined")
     rows: dict[str, list[float]] = {
-        k: [] for k in ("pipelined", "sequential", "colocated", "obs_off")
+        k: []
+        for k in (
+            "pipelined",
+            "fixed_split",
+            "sequential",
+            "colocated",
+            "obs_off",
+            "heavy_shared",
+            "heavy_fixed",
+        )
     }
+    fixed = ["--pipeline.share_cores=false"]
+    heavy = ["--drafter.loss_slots=0"]  # the LM head on every slot: the drafter is the bound
+    cpu_wall = []
     for r in range(repeats):
         rows["pipelined"].append(run_ours(target, ds, steps, "pipelined"))
+        cpu_wall.append(CPU_S[-1])
+        rows["fixed_split"].append(run_ours(target, ds, steps, "pipelined", extra=fixed))
         rows["sequential"].append(run_ours(target, ds, steps, "sequential"))
         rows["colocated"].append(run_colocated(target, ds, steps))
         rows["obs_off"].append(run_ours(target, ds, steps, "pipelined", observe=False))
+        rows["heavy_shared"].append(run_ours(target, ds, steps, "pipelined", extra=heavy))
+        rows["heavy_fixed"].append(run_ours(target, ds, steps, "pipelined", extra=heavy + fixed))
         print(
             f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rows.items()),
             file=sys.stderr,
@@ -248,8 +274,11 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
-        "machine": f"{os.cpu_count()} CPU threads, torch {torch.__version__}",
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPU threads, torch {torch.__version__}",
         "tokens_per_s": med,
+        "pipelined_vs_fixed_split": ratio("pipelined", "fixed_split"),
+        "drafter_bound_shared_vs_fixed": ratio("heavy_shared", "heavy_fixed"),
+        "process_cpu_over_wall": statistics.median(cpu_wall),
         "pipelined_vs_sequential": ratio("pipelined", "sequential"),
         "pipelined_vs_colocated": ratio("pipelined", "colocated"),
         "observability_on_vs_off": ratio("pipelined", "obs_off"),
@@ -260,9 +289,16 @@ def main() -> None:
         "repeats": repeats,
     }
     print("\n| comparison | ratio (median, min-max) |\n|---|---|")
-    for k in ("pipelined_vs_sequential", "pipelined_vs_colocated", "observability_on_vs_off"):
+    for k in (
+        "pipelined_vs_fixed_split",
+        "drafter_bound_shared_vs_fixed",
+        "pipelined_vs_sequential",
+        "pipelined_vs_colocated",
+        "observability_on_vs_off",
+    ):
         v = result[k]
         print(f"| {k} | {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f}) |")
+    print(f"| process CPU time / wall, pipelined | {result['process_cpu_over_wall']:.2f} |")
     print(
         f"| pipelined_vs_stage_bound | {result['pipelined_vs_stage_bound']:.3f} "
         f"(target alone {t_rate:.0f} tok/s, drafter alone {d_rate:.0f} tok/s) |"

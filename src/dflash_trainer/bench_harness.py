@@ -114,12 +114,27 @@ def rows_taps(s):
 def rows_pipeline(s):
     out = []
     for key, a, b in (
+        ("pipelined_vs_fixed_split", "shared cores", "fixed 50/50 split"),
+        ("drafter_bound_shared_vs_fixed", "shared cores, drafter-bound", "fixed split"),
         ("pipelined_vs_sequential", "pipelined", "sequential"),
         ("pipelined_vs_colocated", "pipelined", "plain colocated loop"),
         ("observability_on_vs_off", "observability on", "off"),
     ):
-        v = s[key]
-        out.append(_row("training throughput (tokens/s)", a, b, v["median"], v["min"], v["max"]))
+        v = s.get(key)
+        if v is not None:  # results of an older bench_pipeline lack the newer rows
+            out.append(
+                _row("training throughput (tokens/s)", a, b, v["median"], v["min"], v["max"])
+            )
+    if "process_cpu_over_wall" in s:
+        out.append(
+            _row(
+                "training, pipelined",
+                "process CPU time",
+                "wall time",
+                s["process_cpu_over_wall"],
+                note="cores kept busy",
+            )
+        )
     out.append(
         _row(
             "training throughput",
@@ -130,6 +145,44 @@ def rows_pipeline(s):
             f"{s['isolated_drafter_tok_s']:.0f} tok/s",
         )
     )
+    return out
+
+
+def rows_decode(s):
+    out = [
+        _row(
+            "draft-verify decode (tokens/s)",
+            "ours",
+            "reference dflash_generate",
+            s["spec_vs_reference"],
+            note=f"identical tokens {s['identical_spec']}",
+        ),
+        _row(
+            "greedy decode (tokens/s)",
+            "ours",
+            "HF generate",
+            s["ar_vs_hf_generate"],
+            note=f"identical tokens {s['identical_ar']}",
+        ),
+        _row(
+            "draft-verify cycle",
+            "cycle",
+            "greedy step",
+            s["cycle_over_greedy_step"],
+            note=f"{s['cycle_ms']:.0f} ms = drafter {s['cycle_draft_ms']:.0f} + verify "
+            f"{s['cycle_verify_ms']:.0f} + rest",
+        ),
+    ]
+    for how, v in s["speedup_at_oracle"].items():
+        out.append(
+            _row(
+                f"speedup at {v['tokens_per_cycle']:.2f} tokens per cycle",
+                f"{how} verify",
+                "greedy",
+                v["speedup"],
+                note=f"cycle {v['cycle_ms']:.0f} ms, greedy step {v['greedy_step_ms']:.0f} ms",
+            )
+        )
     return out
 
 
@@ -226,6 +279,7 @@ ADAPTERS = {
     "bench_dtype.py": (rows_dtype, ["--repeats", "2"]),
     "bench_kd.py": (rows_kd, ["--repeats", "1", "--seq", "256"]),
     "bench_generate.py": (rows_generate, ["--prompts", "8", "--max-new-tokens", "32"]),
+    "bench_decode.py": (rows_decode, ["--prompts", "4", "--max-new-tokens", "64"]),
 }
 
 
