@@ -105,3 +105,17 @@ def test_eval_on_an_export_needs_no_preset(trained, model_dir, tmp_path, capsys)
     assert payload["target"] == str(model_dir) or str(model_dir) in payload["target"]
     assert payload["block_size"] == 4
     assert payload["datasets"] and all(k.startswith(str(prompts)) for k in payload["datasets"])
+
+
+def test_export_accepts_the_run_dir_and_the_latest_pointer(trained, tmp_path):
+    """What users type: the run directory, its checkpoints/ and checkpoints/latest (a pointer
+    file) all mean the newest checkpoint."""
+    (ck,) = sorted((trained / "checkpoints").glob("step-*"))
+    want = load_file(str(ck / "export" / "model.safetensors"))
+    for i, src in enumerate((trained, trained / "checkpoints", trained / "checkpoints" / "latest")):
+        out = tmp_path / f"d{i}"
+        assert main(["export", str(src), "--out", str(out)]) == 0
+        got = load_file(str(out / "model.safetensors"))
+        assert sorted(got) == sorted(want)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k])

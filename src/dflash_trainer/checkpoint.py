@@ -320,11 +320,14 @@ def latest_checkpoint(run_dir) -> Path | None:
 
 
 def checkpoint_dir(path) -> Path:
-    """`path` as a checkpoint directory: a checkpoint itself, a run directory or its
-    `checkpoints/` (then their latest checkpoint). Raises UserError naming what it expects."""
+    """`path` as a checkpoint directory: a checkpoint itself, a run directory, its
+    `checkpoints/` or the `checkpoints/latest` pointer file (then their latest checkpoint).
+    Raises UserError naming what it expects."""
     p = Path(path)
     if (p / "state.json").is_file():
         return p
+    if p.name == "latest" and p.is_file():  # the pointer users tab-complete to
+        p = p.parent
     run_dir = p.parent if p.name == "checkpoints" else p
     found = latest_checkpoint(run_dir) if ckpt_root(run_dir).is_dir() else None
     if found is not None:
