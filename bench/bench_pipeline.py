@@ -39,8 +39,7 @@ from dflash_trainer.data.chat import TokenizedDataset
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.prefetcher import build_batch
 from dflash_trainer.run import train
-from dflash_trainer.run.build import build_drafter, thread_split
-from dflash_trainer.train.objective import DFlashObjective
+from dflash_trainer.run.build import build_drafter, build_objective, thread_split
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
 
 
@@ -104,13 +103,7 @@ def run_colocated(target, ds, steps) -> float:
         cfg = make_cfg(d, steps, "sequential")
         torch.set_num_threads(cfg.pipeline.cpu_threads or os.cpu_count())
         drafter = build_drafter(cfg, target, "cpu")
-        obj = DFlashObjective(
-            cfg.drafter.block_size,
-            cfg.drafter.num_anchors,
-            0.0,
-            drafter.config.mask_token_id,
-            cfg.drafter.loss_chunk_blocks,
-        )
+        obj = build_objective(cfg, drafter)  # the same objective as ours (loss_slots included)
         opt = build_optimizer(drafter.parameters(), cfg.optim)
         sched = build_scheduler(opt, cfg.optim, steps)
         gen = torch.Generator().manual_seed(0)
@@ -162,13 +155,7 @@ def isolated_rates(target, ds, steps) -> tuple[float, float]:
     t_rate = sum(b.num_real_tokens for b in batches) / (time.perf_counter() - t0)
     torch.set_num_threads(d_thr)
     drafter = build_drafter(cfg, target, "cpu")
-    obj = DFlashObjective(
-        cfg.drafter.block_size,
-        cfg.drafter.num_anchors,
-        0.0,
-        drafter.config.mask_token_id,
-        cfg.drafter.loss_chunk_blocks,
-    )
+    obj = build_objective(cfg, drafter)
     opt = build_optimizer(drafter.parameters(), cfg.optim)
     guard = GuardedStep(opt, drafter.parameters(), 1.0, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
