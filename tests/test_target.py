@@ -3,6 +3,7 @@ forward."""
 
 import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -443,9 +444,8 @@ def test_missing_flash_attention_package_is_named(target_dir):
         TargetModel.load(cfg, "cpu")
 
 
-def test_flex_attention_target_gets_no_tensor_mask(target_dir):
-    """Training hands eager/SDPA a prepared 4-D mask; flex (and flash) attention are causal by
-    themselves and fail on one, so the target step gives them none: same features as eager."""
+def _flex_matches_eager(target_dir) -> None:
+    """Flex and eager targets give the same training features, each through its own mask."""
     from dflash_trainer.pipeline.steps import TargetStep
 
     def load(impl):
@@ -467,3 +467,26 @@ def test_flex_attention_target_gets_no_tensor_mask(target_dir):
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+def test_flex_attention_target_gets_no_tensor_mask(target_dir):
+    """Training hands eager/SDPA a prepared 4-D mask; flex (and flash) attention are causal by
+    themselves and fail on one, so the target step gives them none: same features as eager.
+
+    Run in a fresh process: on CPU, flex attention is an inductor C++ compile, and in a process
+    that compiled other flex kernels first (the drafter's tests) torch 2.13 emits code that does
+    not build (`cur_kvSplitSize0` undeclared)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.path[:0] = ['tests', 'src']\n"
+        "from pathlib import Path\n"
+        "from test_target import _flex_matches_eager\n"
+        f"_flex_matches_eager(Path({str(target_dir)!r}))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
