@@ -32,7 +32,7 @@ import torch
 from dflash_trainer.bench_harness import cpu_model
 from dflash_trainer.config import load_config
 from dflash_trainer.data import embedded
-from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import decode_batch, prompt_messages
 from dflash_trainer.models.target import TargetModel
 
@@ -84,7 +84,8 @@ def main() -> None:
     tok = target.tokenizer
     prompts = embedded.embedded_prompts()
     random.Random(0).shuffle(prompts)
-    rows = [prompt_ids(tok, prompt_messages(p.messages), False) for p in prompts[: args.prompts]]
+    rendering = Rendering.from_config(cfg)
+    rows = [rendering.prompt_ids(tok, prompt_messages(p.messages)) for p in prompts[: args.prompts]]
     rows.sort(key=len)  # as generate_responses batches them
     pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
     n, bsz, eos = args.max_new_tokens, args.batch_size, target.eos_token_ids

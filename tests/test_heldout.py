@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_trainer.config import load_config
-from dflash_trainer.data.chat import TokenizedDataset, build_dataset, render_with_spans
+from dflash_trainer.data.chat import Rendering, TokenizedDataset, build_dataset, render_with_spans
 from dflash_trainer.data.prepare import (
     REPORT,
     VALIDATION,
@@ -334,7 +334,9 @@ def test_run_conversations_decodes_in_the_given_dtype():
     target = TargetModel.from_hf(model, FakeTokenizer(), [0, 2])
     drafter = _real_drafter(model, block_size=4).to(torch.bfloat16)
     convs = [("a", [{"role": "user", "content": "hi"}])]
-    s = sd.run_conversations(target, drafter, convs, 6, 4, 0.0, 1.0, False, dtype=torch.float32)
+    s = sd.run_conversations(
+        target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), dtype=torch.float32
+    )
     assert s.decode_dtype == "float32" and s.lossless is True
     assert next(drafter.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.bfloat16

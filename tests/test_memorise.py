@@ -26,7 +26,7 @@ import torch
 
 from dflash_trainer.config import load_config
 from dflash_trainer.data import embedded
-from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import generate_responses
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.specdecode import evaluate
@@ -69,7 +69,7 @@ def test_train_memorises_through_the_real_path(tmp_path):
         pytest.skip(f"embedded target or prompts unavailable: {e}")
     # the shortest prompts: short sequences keep the target's forward cheap on 2 cores
     tok = target.tokenizer
-    prompts.sort(key=lambda c: (len(prompt_ids(tok, c.messages, False)), c.id))
+    prompts.sort(key=lambda c: (len(Rendering().prompt_ids(tok, c.messages)), c.id))
     picked = prompts[:N_CONV]
     data = cache_root(cfg.target.cache_dir) / "responses" / f"memorise-{N_CONV}-{NEW_TOKENS}.jsonl"
     generate_responses(
@@ -80,7 +80,7 @@ def test_train_memorises_through_the_real_path(tmp_path):
     res = train(cfg, target=target)
     t_train = time.monotonic() - t0 - t_gen
     drafter = load_drafter(res.export_dir, "cpu")
-    ids = [prompt_ids(tok, c.messages, False) for c in picked]
+    ids = [Rendering().prompt_ids(tok, c.messages) for c in picked]
     with torch.inference_mode():
         s = evaluate(target, drafter, ids, NEW_TOKENS, 16, baseline=False, warmup=False)
     print(

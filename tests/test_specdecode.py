@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.chat import Rendering
 from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.eval.metrics import position_acceptance, summarize
 from dflash_trainer.eval.specdecode import (
@@ -609,6 +609,7 @@ class FakeTokenizer:
     """Chat template + char-level ids; enough for the eval command's plumbing."""
 
     eos_token_id = None
+    chat_template = "<role initial>content ... <a>"  # what apply_chat_template renders
 
     def __len__(self):
         return V
@@ -723,7 +724,7 @@ def test_smollm2_fp32_random_drafter_lossless():
     torch.manual_seed(0)
     drafter = drafter_mod.DFlashDrafter(drafter_mod.DFlashConfig.from_configs(cfg.drafter, t))
     prompts = [
-        prompt_ids(t.tokenizer, [{"role": "user", "content": q}], False)
+        Rendering().prompt_ids(t.tokenizer, [{"role": "user", "content": q}])
         for q in ("Name three colours.", "Write a haiku about rain.")
     ]
     s = evaluate(t, drafter, prompts, 16, 8, warmup=False)

@@ -11,7 +11,12 @@ from dflash_trainer.models.target import TargetModel
 
 
 def tiny_target(
-    arch: str = "llama", layers: int = 4, hidden: int = 64, vocab: int = 128, seed: int = 0
+    arch: str = "llama",
+    layers: int = 4,
+    hidden: int = 64,
+    vocab: int = 128,
+    seed: int = 0,
+    tokenizer=None,
 ) -> TargetModel:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -30,7 +35,27 @@ def tiny_target(
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **kw))
     else:
         model = LlamaForCausalLM(LlamaConfig(**kw))
-    return TargetModel.from_hf(model, None, [1, layers - 2])
+    return TargetModel.from_hf(model, tokenizer, [1, layers - 2])
+
+
+def base_tokenizer(bos_first: bool = True):
+    """A base model's character tokenizer: no chat template; ids 0 <pad>, 1 <s> (BOS), 2 </s>
+    (EOS, as tiny_target's generation config has it), then printable ASCII and newline (< 128
+    ids). bos_first: it puts BOS before every text (Llama's convention; GPT-2's puts none)."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", *chars])}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.decoder = decoders.Fuse()
+    if bos_first:
+        tk.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 1)]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
 
 
 STEPS = [0]  # repeated tokens: learnable in a few dozen steps by a 1-layer drafter

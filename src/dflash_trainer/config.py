@@ -88,6 +88,19 @@ class DataConfig:
         "target never produced; drop = leave them out",
         choices=("keep_open", "drop"),
     )
+    format: str = _f(
+        "chat",
+        "record shape and rendering: chat = conversations (messages / conversations) through "
+        "the target's chat template, loss on assistant turns; text = raw text for a base model "
+        "without a template: {text} documents (loss on every token) or {prompt, completion} "
+        "pairs (loss on the completion), no template, BOS/EOS as the tokenizer has them",
+        choices=("chat", "text"),
+    )
+    chat_template: str = _f(
+        "",
+        "path to a Jinja chat-template file that replaces the target tokenizer's own template "
+        "in generation, training and evaluation ('' = the tokenizer's own)",
+    )
     cache_dir: str = _f("", "tokenized-data cache dir ('' = ~/.cache/dflash-trainer/tokenized)")
     roots: list[str] = _f([], "if set, every data path must lie under one of these dirs")
 
@@ -471,8 +484,8 @@ class EvalConfig:
     top_p: float = _f(1.0, "nucleus sampling mass when temperature > 0", min=0.01, max=1.0)
     heldout_path: str = _f(
         "",
-        "JSONL of {id, messages, source} for 'heldout' ('' = RUN_DIR/heldout.jsonl, written by "
-        "training; a missing file is an error)",
+        "JSONL of {id, messages, source} (data.format=text: {id, prompt, source}) for 'heldout' "
+        "('' = RUN_DIR/heldout.jsonl, written by training; a missing file is an error)",
     )
     seed: int = _f(0, "sampling seed (temperature > 0)", min=0)
 

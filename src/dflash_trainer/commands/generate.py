@@ -8,11 +8,13 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.config import Config
+from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import generate_responses, load_prompts, print_summary
 from dflash_trainer.models.target import TargetModel
 
 
 def run(cfg: Config, args) -> int:
+    rendering = Rendering.from_config(cfg)  # a bad data.chat_template stops before the load
     prompts = load_prompts(args.prompts, cfg)
     if args.limit and args.limit > 0:
         prompts = prompts[: args.limit]
@@ -28,7 +30,7 @@ def run(cfg: Config, args) -> int:
         batch_size=args.batch_size,
         temperature=args.temperature,
         top_p=args.top_p,
-        enable_thinking=cfg.target.enable_thinking,
+        rendering=rendering,
         seed=cfg.pipeline.seed,
         progress=cfg.metrics.console,
     )

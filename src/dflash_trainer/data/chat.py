@@ -1,4 +1,13 @@
-"""Chat templates -> token ids + assistant-only loss masks; the tokenized, cached dataset.
+"""Records -> the target's token ids + response-only loss masks; the tokenized, cached dataset.
+
+`Rendering` (built from the config by `Rendering.from_config` only) decides how a record becomes
+text and ids, the same way in training tokenization, generation (data/generate.py) and evaluation
+(eval/specdecode.py), so a drafter trains on exactly the text it serves on:
+- data.format=chat: the target's chat template (or data.chat_template's, which replaces it),
+  with the template variables of the config (enable_thinking); assistant turns are supervised;
+- data.format=text: a base model's raw text, no template: the turns' contents joined as they
+  are, the tokenizer's BOS first where it puts one, its EOS after a finished response; the
+  response (a document, or a completion after its prompt) is supervised.
 
 How the mask is found (any Jinja chat template, no per-model patterns): render the whole
 conversation once as text. For every assistant message i, render
@@ -19,8 +28,9 @@ Characters map to tokens through ONE tokenization of the full text (offset mappi
 are exactly what the model sees; a token is supervised iff its first character is supervised.
 Texts are tokenized in batches (the Rust tokenizer parallelises across a batch).
 
-The cache is one .npz file (no pickle) per key = sha256(conversations, tokenizer, template,
-max_length, overlong, min_supervised, template kwargs, format version), written atomically.
+The cache is one .npz file (no pickle) per key = sha256(conversations, tokenizer, data format,
+template text, template kwargs, max_length, overlong, min_supervised, format version), written
+atomically.
 """
 
 from __future__ import annotations
@@ -62,27 +72,157 @@ def _tok_name(tokenizer) -> str:
     return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
 
 
-def _check_template(tokenizer) -> None:
-    if not getattr(tokenizer, "chat_template", None):
+def read_chat_template(path: str) -> str | None:
+    """The text of the Jinja chat-template file `path` (data.chat_template); None for ''."""
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    if not p.is_file():
         raise UserError(
-            f"tokenizer '{_tok_name(tokenizer)}' has no chat template, so assistant "
-            "turns cannot be located. Use an instruct/chat model's tokenizer, or set "
-            "`tokenizer.chat_template` to a Jinja template (e.g. ChatML)."
+            f"data.chat_template: '{path}' is not a file. Give the path of a Jinja chat-template "
+            "file, or '' to use the target tokenizer's own template."
         )
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"data.chat_template: {p}: not valid UTF-8 (byte offset {e.start}); re-encode it."
+        ) from None
+    if not text.strip():
+        raise UserError(f"data.chat_template: {p} is empty; give a Jinja chat template.")
+    return text
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How a record becomes the target's text and token ids (module docstring). Build it with
+    `from_config`, the one place the config's format, template and template variables are read;
+    `Rendering()` is chat with the tokenizer's own template and thinking off.
+
+    format: 'chat' or 'text'. chat_template: the text of a template that replaces the
+    tokenizer's own (None: its own). enable_thinking: the template's thinking switch (templates
+    that have none ignore it)."""
+
+    format: str = "chat"
+    chat_template: str | None = None
+    enable_thinking: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> Rendering:
+        return cls(
+            cfg.data.format, read_chat_template(cfg.data.chat_template), cfg.target.enable_thinking
+        )
+
+    @property
+    def template_kwargs(self) -> dict:
+        """The chat template's variables beyond the messages."""
+        return {"enable_thinking": self.enable_thinking}
+
+    def template(self, tokenizer) -> str | None:
+        """The chat template in use: the replacement, else the tokenizer's own (None in text
+        mode, where none is used)."""
+        if self.format == "text":
+            return None
+        return self.chat_template or getattr(tokenizer, "chat_template", None)
+
+    def identity(self) -> dict:
+        """What sets this rendering apart from the default `Rendering()` (thinking aside, which
+        generation records on its own): for provenance and cache names that must change with
+        it and stay the same for the default."""
+        out: dict = {}
+        if self.format != "chat":
+            out["format"] = self.format
+        if self.chat_template is not None:
+            out["chat_template"] = hashlib.sha256(self.chat_template.encode()).hexdigest()[:16]
+        return out
+
+    def check(self, tokenizer) -> None:
+        """Chat records need a template: the tokenizer's or data.chat_template's."""
+        if self.format == "chat" and not self.template(tokenizer):
+            raise UserError(
+                f"tokenizer '{_tok_name(tokenizer)}' has no chat template, so chat records "
+                "cannot be rendered (a base model?). Either train on raw text: "
+                '--data.format=text with records {"text": ...} or {"prompt": ..., '
+                '"completion": ...} (no template); or give a template: '
+                "--data.chat_template=FILE (a Jinja chat template, e.g. ChatML)."
+            )
+
+    def _kwargs(self) -> dict:
+        """What apply_chat_template gets besides the messages."""
+        kw = self.template_kwargs
+        if self.chat_template is not None:
+            kw["chat_template"] = self.chat_template
+        return kw
+
+    def framing(self, tokenizer) -> tuple[list[int], list[int]]:
+        """(ids before the text, ids after a finished response). Text mode: the tokenizer's BOS
+        where it puts one before a text by its own convention (Llama, Gemma; GPT-2 and Qwen put
+        none), and its EOS, which ends a response the way the target ends one. Chat mode:
+        nothing (the template places every special token)."""
+        if self.format != "text":
+            return [], []
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        own = tokenizer("a", add_special_tokens=True)["input_ids"]
+        head = [bos] if bos is not None and own[:1] == [bos] else []
+        return head, ([eos] if eos is not None else [])
+
+    def render(
+        self,
+        tokenizer,
+        messages: list[dict],
+        specials=None,
+        open_last: bool = False,
+        where: str = "the conversation",
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The text of a whole record and its supervised character spans (framing aside); a
+        template's refusal of the record is an error naming `where`."""
+        if self.format == "text":
+            return render_text(messages)
+        return _render_conversation(tokenizer, messages, self._kwargs(), specials, open_last, where)
+
+    def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        """Token ids of the prompt `messages` as the target answers them (generation,
+        evaluation): chat = the template plus its generation prompt; text = the prompt's raw
+        text after the framing's BOS."""
+        self.check(tokenizer)
+        if self.format == "text":
+            head, _ = self.framing(tokenizer)
+            text = render_text(messages)[0]
+            return head + list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = _render(tokenizer, messages, True, self._kwargs())
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _render(tokenizer, messages, gen: bool, kwargs: dict) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=gen, **kwargs
-    )
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen, **kwargs
+        )
+    except jinja2.TemplateSyntaxError as e:
+        which = (
+            "data.chat_template"
+            if "chat_template" in kwargs
+            else f"the chat template of tokenizer '{_tok_name(tokenizer)}'"
+        )
+        raise UserError(
+            f"{which}: line {e.lineno}: {e.message} (not a valid Jinja template). Fix it, or "
+            "give another with --data.chat_template=FILE."
+        ) from None
 
 
-def prompt_ids(tokenizer, messages: list[dict], enable_thinking: bool) -> list[int]:
-    """Token ids of `messages` rendered with the chat template plus the generation prompt: what
-    the target answers (generation, evaluation). Templates ignore variables they do not use, so
-    enable_thinking is safe to pass to all."""
-    text = _render(tokenizer, messages, True, {"enable_thinking": enable_thinking})
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def render_text(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Raw text (data.format=text): the turns' contents joined as they are, no template; the
+    spans of the response turns (the document, or the completion after its prompt)."""
+    parts, spans, pos = [], [], 0
+    for m in messages:
+        text = m["content"]
+        if m["role"] == "assistant" and text:
+            spans.append((pos, pos + len(text)))
+        parts.append(text)
+        pos += len(text)
+    return "".join(parts), spans
 
 
 def _special_strings(tokenizer) -> tuple[str, ...]:
@@ -123,8 +263,8 @@ def render_with_spans(
                 f"chat template of tokenizer '{_tok_name(tokenizer)}' is not prefix-stable: "
                 f"{which} does not render as a prefix of the conversation at assistant turn "
                 f"{i} (the template renders earlier turns differently, e.g. drops reasoning). "
-                "Set `tokenizer.chat_template` to a template that renders history unchanged, or "
-                "use single-turn data."
+                "Give a template that renders history unchanged (--data.chat_template=FILE), "
+                "or use single-turn data."
             )
         start, end = len(p), len(q)
         # Turn = content + end-of-turn special + maybe whitespace ("\n" in ChatML): keep the
@@ -211,31 +351,45 @@ def _encode(tokenizer, texts: list[str]):
     return enc["input_ids"], enc["offset_mapping"]
 
 
+def _framed(ids, mask: np.ndarray, framing, open_last: bool) -> tuple[list, np.ndarray]:
+    """ids and mask with the rendering's framing around them: the head unsupervised, the tail
+    (EOS) supervised unless the response was cut at a generation limit."""
+    head, tail = framing
+    tail = [] if open_last else tail
+    if not head and not tail:
+        return ids, mask
+    mask = np.concatenate(
+        [np.zeros(len(head), np.uint8), mask, np.ones(len(tail), np.uint8)]
+    ).astype(np.uint8)
+    return list(head) + list(ids) + list(tail), mask
+
+
 def tokenize_conversation(
     tokenizer,
     messages: list[dict],
     max_length: int,
     overlong: str,
     min_supervised: int = 2,
-    template_kwargs: dict | None = None,
+    rendering: Rendering | None = None,
     stats: dict | None = None,
     open_last: bool = False,
 ) -> TokenizedExample | None:
-    """One conversation -> ids + assistant mask, or None (dropped; the reason is counted in stats).
+    """One conversation -> ids + response mask, or None (dropped; the reason is counted in stats).
 
     overlong: 'truncate' keeps the first max_length tokens, 'drop' drops the example.
+    rendering: None = `Rendering()` (chat, the tokenizer's own template).
     open_last: the last answer was cut at a generation limit: no end-of-turn token after it.
     """
+    rendering = rendering or Rendering()
     if overlong not in ("truncate", "drop"):
         raise UserError(f"data.overlong: {overlong!r} is not 'truncate' or 'drop'.")
-    _check_template(tokenizer)
-    text, spans = _render_conversation(
-        tokenizer, messages, template_kwargs, None, open_last, "the conversation"
-    )
+    rendering.check(tokenizer)
+    text, spans = rendering.render(tokenizer, messages, open_last=open_last)
     (ids,), (offs,) = _encode(tokenizer, [text])
-    return _finish(
-        ids, _mask_from_offsets(offs, spans), max_length, overlong, min_supervised, stats
+    ids, mask = _framed(
+        ids, _mask_from_offsets(offs, spans), rendering.framing(tokenizer), open_last
     )
+    return _finish(ids, mask, max_length, overlong, min_supervised, stats)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +500,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def cache_key(data_cfg, tokenizer, conversations, template_kwargs: dict | None = None) -> str:
+def cache_key(data_cfg, tokenizer, conversations, rendering: Rendering) -> str:
     conv_h = hashlib.sha256()
     for c in conversations:
         rec = [c.id, c.messages] + (["truncated"] if getattr(c, "truncated", False) else [])
@@ -356,12 +510,13 @@ def cache_key(data_cfg, tokenizer, conversations, template_kwargs: dict | None =
         "format": CACHE_FORMAT,
         "conversations": conv_h.hexdigest(),
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "template": tokenizer.chat_template,
+        "data_format": rendering.format,
+        "template": rendering.template(tokenizer),
         "max_length": data_cfg.max_length,
         "overlong": data_cfg.overlong,
         "min_supervised": data_cfg.min_supervised,
         "truncated": getattr(data_cfg, "truncated", "keep_open"),
-        "template_kwargs": template_kwargs or {},
+        "template_kwargs": rendering.template_kwargs if rendering.format == "chat" else {},
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
@@ -373,12 +528,18 @@ def _default_cache_dir(data_cfg) -> Path:
 
 
 def _tokenize_all(
-    tokenizer, conversations, data_cfg, template_kwargs, chunk: int = 512, progress: bool = True
+    tokenizer,
+    conversations,
+    data_cfg,
+    rendering: Rendering,
+    chunk: int = 512,
+    progress: bool = True,
 ):
     """Tokenize every conversation (no cache). Returns (ids, masks, conv ids, stats).
     `progress`: a bar over conversations, tokens kept so far in its postfix."""
-    _check_template(tokenizer)
+    rendering.check(tokenizer)
     specials = _special_strings(tokenizer)
+    framing = rendering.framing(tokenizer)
     stats = {k: 0 for k in _STAT_KEYS}
     policy = getattr(data_cfg, "truncated", "keep_open")
     if policy == "drop":
@@ -394,22 +555,19 @@ def _tokenize_all(
     ) as bar:
         for lo in range(0, len(conversations), chunk):
             part = conversations[lo : lo + chunk]
+            open_last = [bool(getattr(c, "truncated", False)) for c in part]
             rendered = [
-                _render_conversation(
-                    tokenizer,
-                    c.messages,
-                    template_kwargs,
-                    specials,
-                    bool(getattr(c, "truncated", False)),
-                    f"conversation '{c.id}' of {c.source}",
+                rendering.render(
+                    tokenizer, c.messages, specials, o, f"conversation '{c.id}' of {c.source}"
                 )
-                for c in part
+                for c, o in zip(part, open_last)
             ]
             all_ids, all_offs = _encode(tokenizer, [t for t, _ in rendered])
-            for c, (_, spans), ids, offs in zip(part, rendered, all_ids, all_offs):
+            for c, o, (_, spans), ids, offs in zip(part, open_last, rendered, all_ids, all_offs):
+                ids, mask = _framed(ids, _mask_from_offsets(offs, spans), framing, o)
                 ex = _finish(
                     ids,
-                    _mask_from_offsets(offs, spans),
+                    mask,
                     data_cfg.max_length,
                     data_cfg.overlong,
                     data_cfg.min_supervised,
@@ -439,16 +597,19 @@ def build_dataset(
     tokenizer,
     conversations,
     cache_dir=None,
-    template_kwargs: dict | None = None,
+    rendering: Rendering | None = None,
     progress: bool = True,
 ) -> TokenizedDataset:
-    """Tokenize (or load from the disk cache) all conversations. `progress`: a bar while
-    tokenizing (observe/progress.py; drawn only when stderr is a terminal)."""
-    _check_template(tokenizer)
+    """Tokenize (or load from the disk cache) all conversations, rendered by `rendering`
+    (`Rendering.from_config(cfg)`; None = `Rendering()`: chat, the tokenizer's own template).
+    `progress`: a bar while tokenizing (observe/progress.py; drawn only when stderr is a
+    terminal)."""
+    rendering = rendering or Rendering()
+    rendering.check(tokenizer)
     if data_cfg.overlong not in ("truncate", "drop"):
         raise UserError(f"data.overlong: {data_cfg.overlong!r} is not 'truncate' or 'drop'.")
     root = Path(cache_dir).expanduser() if cache_dir else _default_cache_dir(data_cfg)
-    path = root / f"{cache_key(data_cfg, tokenizer, conversations, template_kwargs)}.npz"
+    path = root / f"{cache_key(data_cfg, tokenizer, conversations, rendering)}.npz"
     if path.exists():
         try:
             ds = TokenizedDataset.load(path)
@@ -457,7 +618,7 @@ def build_dataset(
         except Exception as e:  # a corrupt cache is rebuilt, never trusted
             log.warning("tokenized data: ignoring unreadable cache %s (%s)", path, e)
     ids, masks, cids, stats = _tokenize_all(
-        tokenizer, conversations, data_cfg, template_kwargs, progress=progress
+        tokenizer, conversations, data_cfg, rendering, progress=progress
     )
     if not ids:
         raise UserError(

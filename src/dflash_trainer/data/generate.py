@@ -1,8 +1,9 @@
 """Regenerate assistant responses with the target (dflash-method.md §2.6: train on the
 target's own outputs).
 
-Output is OpenAI-messages JSONL, one record per prompt:
-    {"id", "messages": [...prompt..., {"role": "assistant", "content"}], "provenance": {...}}
+Output is JSONL in the data format's record shape, one record per prompt:
+    chat  {"id", "messages": [...prompt..., {"role": "assistant", "content"}], "provenance": {...}}
+    text  {"id", "prompt", "completion", "provenance": {...}}   (a base model continues raw text)
 
 Resumable and crash-safe: each batch is appended as whole lines, then flushed and fsync'ed. On
 start the file is read back; a torn last line (a crash mid-write) is truncated away, and prompts
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
-from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.chat import Rendering, render_text
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.embedded import cache_root
@@ -37,7 +38,17 @@ log = logging.getLogger(__name__)
 # Sized for the CPU demo: 244 prompts in about 5 minutes on 2 cores (batch 32 decodes ~25% more
 # tokens/s than 16 there; most answers end before 192 tokens).
 EMBEDDED_GEN = {"max_new_tokens": 192, "batch_size": 32, "temperature": 0.0, "top_p": 1.0}
-_PROVENANCE_KEYS = ("target", "max_new_tokens", "temperature", "top_p", "thinking")
+# Settings a resumed file must share; format / chat_template only where they differ from the
+# default rendering (Rendering.identity), so files from before them still resume.
+_PROVENANCE_KEYS = (
+    "target",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "thinking",
+    "format",
+    "chat_template",
+)
 
 
 # ------------------------------------------------------------------------------------ resumable IO
@@ -74,11 +85,15 @@ def read_done_ids(out_path: str | Path, expect: dict | None = None) -> set[str]:
             ) from None
         if expect is not None:
             prov = rec.get("provenance", {})
-            diff = [k for k in _PROVENANCE_KEYS if k in expect and prov.get(k) != expect[k]]
+            diff = [
+                k
+                for k in _PROVENANCE_KEYS
+                if (k in expect or k in prov) and prov.get(k) != expect.get(k)
+            ]
             if diff:
                 raise UserError(
                     f"{path}:{lineno}: made with different settings ("
-                    + ", ".join(f"{k}={prov.get(k)!r}, now {expect[k]!r}" for k in diff)
+                    + ", ".join(f"{k}={prov.get(k)!r}, now {expect.get(k)!r}" for k in diff)
                     + "). Resuming would mix them: choose another --output or delete the file."
                 )
         done.add(str(rid))
@@ -108,13 +123,21 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _render(tokenizer, messages: list[dict], enable_thinking: bool) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError(
-            "the target's tokenizer has no chat template, so prompts cannot be "
-            "rendered for generation; use an instruct/chat model as target.model."
-        )
-    return prompt_ids(tokenizer, messages, enable_thinking)
+def answer_record(rendering: Rendering, pid: str, prompt: list[dict], answer: str, prov: dict):
+    """The record of one answered prompt, in the shape data/sources.py reads back in the same
+    data format."""
+    if rendering.format == "text":
+        return {
+            "id": pid,
+            "prompt": render_text(prompt)[0],
+            "completion": answer,
+            "provenance": prov,
+        }
+    return {
+        "id": pid,
+        "messages": prompt + [{"role": "assistant", "content": answer}],
+        "provenance": prov,
+    }
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +153,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
 # -------------------------------------------------------------------------------------- generation
 
 
-def _todo(prompts, done: set, tokenizer, enable_thinking: bool) -> list[tuple]:
+def _todo(prompts, done: set, tokenizer, rendering: Rendering) -> list[tuple]:
     """(id, prompt messages, prompt ids) of the prompts not done yet, shortest first (a batch
     then wastes little padding)."""
     todo, seen = [], set(done)
@@ -140,9 +163,13 @@ def _todo(prompts, done: set, tokenizer, enable_thinking: bool) -> list[tuple]:
         seen.add(p.id)
         msgs = prompt_messages(p.messages)
         if not msgs:
-            log.warning("prompt %s has no user turn before its first assistant turn; skipped", p.id)
+            log.warning(
+                "prompt %s has no prompt before its response (no user turn before the first "
+                "assistant turn; a raw-text document); skipped",
+                p.id,
+            )
             continue
-        todo.append((p.id, msgs, _render(tokenizer, msgs, enable_thinking)))
+        todo.append((p.id, msgs, rendering.prompt_ids(tokenizer, msgs)))
     todo.sort(key=lambda t: len(t[2]))
     return todo
 
@@ -220,7 +247,7 @@ def decode_batch(
     return list(zip(tokens, stopped))
 
 
-def _generate_batch(target, chunk, settings, pad_id, seed, provenance) -> tuple[list, int]:
+def _generate_batch(target, chunk, settings, pad_id, seed, provenance, rendering) -> tuple:
     """Records for one batch of prompts, and the new tokens they hold."""
     tok = target.tokenizer
     # Seeded per batch from its first id, so a sampled batch does not depend on the ones
@@ -239,13 +266,8 @@ def _generate_batch(target, chunk, settings, pad_id, seed, provenance) -> tuple[
     records, new_tokens = [], 0
     for (pid, msgs, _), (row, stopped) in zip(chunk, decoded):
         text = tok.decode(row, skip_special_tokens=True)
-        records.append(
-            {
-                "id": pid,
-                "messages": msgs + [{"role": "assistant", "content": text}],
-                "provenance": {**provenance, "finish_reason": "stop" if stopped else "length"},
-            }
-        )
+        prov = {**provenance, "finish_reason": "stop" if stopped else "length"}
+        records.append(answer_record(rendering, pid, msgs, text, prov))
         new_tokens += len(row) + int(stopped)
     return records, new_tokens
 
@@ -259,17 +281,19 @@ def generate_responses(
     batch_size: int = 16,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    enable_thinking: bool = False,
+    rendering: Rendering | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
     """Append one record per not-yet-done prompt to `out_path`. Returns counts and tokens/s.
 
-    `prompts`: objects with `.id` and `.messages` (data.sources.Conversation). Greedy when
-    temperature == 0, else sampled with temperature/top_p. Batches are left padded; prompts are
-    sorted by length so a batch wastes little padding. `progress`: a bar over prompts
-    (observe/progress.py; drawn only when stderr is a terminal).
+    `prompts`: objects with `.id` and `.messages` (data.sources.Conversation). `rendering`:
+    how prompts become ids and answers records (`Rendering.from_config(cfg)`; None =
+    `Rendering()`, chat). Greedy when temperature == 0, else sampled with temperature/top_p.
+    Batches are left padded; prompts are sorted by length so a batch wastes little padding.
+    `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
     """
+    rendering = rendering or Rendering()
     if max_new_tokens < 1 or batch_size < 1:
         raise UserError("generate: --max-new-tokens and --batch-size must be >= 1.")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -281,10 +305,11 @@ def generate_responses(
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_p": top_p,
-        "thinking": enable_thinking,
+        "thinking": rendering.enable_thinking,
+        **rendering.identity(),
     }
     done = read_done_ids(path, expect=provenance)
-    todo = _todo(prompts, done, target.tokenizer, enable_thinking)
+    todo = _todo(prompts, done, target.tokenizer, rendering)
     stats = {
         "skipped_done": len(done),
         "written": 0,
@@ -306,7 +331,9 @@ def generate_responses(
     ) as bar:
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
-            records, new_tokens = _generate_batch(target, chunk, settings, pad_id, seed, provenance)
+            records, new_tokens = _generate_batch(
+                target, chunk, settings, pad_id, seed, provenance, rendering
+            )
             stats["new_tokens"] += new_tokens
             _append_records(path, records)
             stats["written"] += len(records)
@@ -322,11 +349,17 @@ def generate_responses(
 
 
 def load_prompts(spec: str, cfg) -> list:
-    """Prompts to answer: 'embedded' (MT-Bench + HumanEval) or a conversation file, read by
-    data/sources.py like any training source."""
+    """Prompts to answer: 'embedded' (MT-Bench + HumanEval) or a file of data.format records,
+    read by data/sources.py like any training source (records without a response too)."""
     if spec == "embedded":
         return embedded.embedded_prompts()
-    convs, _ = load_sources([spec], cfg.data.on_bad_record, cfg.data.roots)
+    convs, _ = load_sources(
+        [spec],
+        cfg.data.on_bad_record,
+        cfg.data.roots,
+        data_format=cfg.data.format,
+        prompts_only=True,
+    )
     return convs
 
 
@@ -351,6 +384,7 @@ def embedded_responses_path(cfg) -> Path:
         "thinking": cfg.target.enable_thinking,
         "seed": cfg.pipeline.seed,
         **EMBEDDED_GEN,
+        **Rendering.from_config(cfg).identity(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root(cfg.target.cache_dir) / "responses" / f"{digest}.jsonl"
@@ -382,7 +416,7 @@ def ensure_embedded_responses(cfg, target=None) -> Path:
         batch_size=EMBEDDED_GEN["batch_size"],
         temperature=EMBEDDED_GEN["temperature"],
         top_p=EMBEDDED_GEN["top_p"],
-        enable_thinking=cfg.target.enable_thinking,
+        rendering=Rendering.from_config(cfg),
         seed=cfg.pipeline.seed,
         progress=cfg.metrics.console,
     )

@@ -7,7 +7,9 @@ shortest"). The held-out side is split once more: a small validation subset (str
 way, `eval.validation_fraction` or `eval.validation_prompts`) picks `best/` during training; the
 rest is reported and never selects anything. Files written beside the run:
 
-    heldout.jsonl     the reported held-out prompts: {id, messages (no assistant turns), source}
+    heldout.jsonl     the reported held-out prompts: {id, messages (no assistant turns), source};
+                      with data.format=text {id, prompt, source} (documents, which have no
+                      prompt, are left out)
     validation.jsonl  the validation prompts, same shape
     train_ids.json    the training conversations' ids and prompt hashes, so that evaluating a
                       named data set can say which of its prompts were trained on
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_trainer.data.chat import build_dataset
+from dflash_trainer.data.chat import Rendering, build_dataset, render_text
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
 
@@ -115,22 +117,29 @@ def split_roles(ids: list[str], sources: list[str], eval_cfg, seed: int) -> list
 
 
 def prepare_data(cfg, tokenizer, target=None):
+    rendering = Rendering.from_config(cfg)  # a bad data.chat_template stops before generation
     sources = resolve_sources(cfg, target)
     embedded_files = {
         parse_source_spec(s)[0] for s, spec in zip(sources, cfg.data.sources) if spec != s
     }
     convs, report = load_sources(
-        sources, cfg.data.on_bad_record, tuple(cfg.data.roots), seed=cfg.pipeline.seed
+        sources,
+        cfg.data.on_bad_record,
+        tuple(cfg.data.roots),
+        seed=cfg.pipeline.seed,
+        data_format=cfg.data.format,
     )
     log.info("data: %s", report.summary() if hasattr(report, "summary") else report)
-    dataset = build_dataset(cfg.data, tokenizer, convs, progress=cfg.metrics.console)
+    dataset = build_dataset(
+        cfg.data, tokenizer, convs, rendering=rendering, progress=cfg.metrics.console
+    )
     log.info("tokenized: %s", dataset.stats)
     label = {c.id: source_label(c.id, c.source, embedded_files) for c in convs}
     train, heldout = split_dataset(
         dataset, label, cfg.data.eval_fraction, cfg.pipeline.seed, cfg.eval
     )
     run_dir = Path(cfg.run_dir)
-    write_split_files(run_dir, convs, train, heldout)
+    write_split_files(run_dir, convs, train, heldout, cfg.data.format)
     counts = defaultdict(lambda: [0, 0])
     for s, r in zip(heldout.sources, heldout.roles):
         counts[s][r == VALIDATION] += 1
@@ -174,7 +183,18 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_split_files(run_dir: Path, convs, train, heldout) -> None:
+def prompt_record(cid: str, messages: list[dict], source: str, data_format: str) -> dict | None:
+    """A held-out prompt as eval reads it back (eval/specdecode.py: load_prompt_file): the
+    conversation without its assistant turns, or with data.format=text its prompt's raw text
+    (None for a document: nothing to continue)."""
+    if data_format == "text":
+        prompt = render_text(prompt_messages(messages))[0]
+        return {"id": cid, "prompt": prompt, "source": source} if prompt else None
+    msgs = [m for m in messages if m["role"] != "assistant"]
+    return {"id": cid, "messages": msgs, "source": source}
+
+
+def write_split_files(run_dir: Path, convs, train, heldout, data_format: str = "chat") -> None:
     by_id = {}
     for c in convs:
         by_id.setdefault(c.id, c)
@@ -183,8 +203,9 @@ def write_split_files(run_dir: Path, convs, train, heldout) -> None:
         c = by_id.get(cid)
         if c is None:
             continue
-        msgs = [m for m in c.messages if m["role"] != "assistant"]
-        lines[role].append(json.dumps({"id": cid, "messages": msgs, "source": src}))
+        rec = prompt_record(cid, c.messages, src, data_format)
+        if rec is not None:
+            lines[role].append(json.dumps(rec))
     _write_atomic(run_dir / "heldout.jsonl", "".join(x + "\n" for x in lines[REPORT]))
     _write_atomic(run_dir / "validation.jsonl", "".join(x + "\n" for x in lines[VALIDATION]))
     trained = dict.fromkeys(train.ids)

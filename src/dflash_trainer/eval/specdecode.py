@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
-from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.prepare import prompt_hash
 from dflash_trainer.data.sources import BadRecord, parse_record
 from dflash_trainer.errors import UserError
@@ -623,19 +623,25 @@ def divergence_gap(model: nn.Module, prompt: torch.Tensor, a: GenResult, b: GenR
 # --------------------------------------------------------------------------------------------
 
 
-def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
-    """A JSONL file of conversations, one record per line in any format data/sources.py reads
-    (OpenAI `messages`, content-part lists included, or ShareGPT `conversations`)."""
+def load_prompt_file(path: str | Path, data_format: str = "chat") -> list[tuple[str, list[dict]]]:
+    """A JSONL file of prompts, one record per line in any shape data/sources.py reads for
+    `data_format` (chat: OpenAI `messages`, content-part lists included, or ShareGPT
+    `conversations`; text: `prompt`, the raw text a base model continues)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(
             f"eval prompt file '{p}' does not exist; eval.datasets takes "
             "'mt-bench', 'humaneval', 'heldout' or a JSONL path."
         )
-    expected = (
-        'expected {"id": ..., "messages": [{"role": "user", "content": "..."}]} with roles '
-        "system/user/assistant"
-    )
+    if data_format == "text":
+        expected = 'expected {"id": ..., "prompt": "..."} (data.format=text)'
+        no_prompt = "the record has no 'prompt' to continue"
+    else:
+        expected = (
+            'expected {"id": ..., "messages": [{"role": "user", "content": "..."}]} with roles '
+            "system/user/assistant"
+        )
+        no_prompt = "the conversation has no user turn to answer"
     out = []
     for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -645,13 +651,13 @@ def load_prompt_file(path: str | Path) -> list[tuple[str, list[dict]]]:
         except json.JSONDecodeError as e:
             raise UserError(f"{p}:{n}: invalid JSON ({e.msg}); one object per line.") from None
         try:
-            rid, msgs = parse_record(rec)
+            rid, msgs = parse_record(rec, data_format)
         except BadRecord as e:
             raise UserError(f"{p}:{n}: {expected} ({e.field}: {e.problem}).") from None
         if not msgs:
             raise UserError(f"{p}:{n}: {expected} (the conversation is empty).")
         if not any(m["role"] == "user" for m in msgs):
-            raise UserError(f"{p}:{n}: the conversation has no user turn to answer.")
+            raise UserError(f"{p}:{n}: {no_prompt}.")
         out.append((str(rid) if rid is not None else f"{p.name}:{n}", msgs))
     return out
 
@@ -677,8 +683,8 @@ def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
                 "--run_dir, or set --eval.heldout_path to a JSONL of {id, messages}. "
                 "mt-bench/humaneval are not held out from the embedded training data."
             )
-        return load_prompt_file(path)
-    return load_prompt_file(name)
+        return load_prompt_file(path, cfg.data.format)
+    return load_prompt_file(name, cfg.data.format)
 
 
 def training_ids(cfg: Any) -> tuple[set, set] | None:
@@ -708,7 +714,7 @@ def run_conversations(
     block_size: int,
     temperature: float,
     top_p: float,
-    enable_thinking: bool,
+    rendering: Rendering,
     seed: int = 0,
     dtype: torch.dtype | None = None,
     progress: bool = True,
@@ -717,6 +723,8 @@ def run_conversations(
 ) -> EvalSummary:
     """Answer every user turn of each conversation in order (multi-turn, like the z-lab benchmark):
     each turn is one response; the history carries the spec-decoded answers, not the file's own.
+    Prompts are rendered as in training (`rendering`: Rendering.from_config(cfg)); a raw-text
+    prompt (data.format=text) is one user turn, continued once.
 
     dtype: decode in this dtype (eval.dtype resolved, eval/dtype.py: eval_dtype), on cast copies
     of target and drafter where they differ; None = as given. `progress`: a bar named `desc`
@@ -734,7 +742,7 @@ def run_conversations(
                 history.append(m)
                 if m["role"] != "user":
                     continue
-                ids = prompt_ids(tok, history, enable_thinking)
+                ids = rendering.prompt_ids(tok, history)
                 s = evaluate(
                     target,
                     drafter,
@@ -796,6 +804,7 @@ def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> d
     eval.num_prompts; where it overlaps the run's training data (train_ids.json), a warning
     gives the overlap and tau is reported separately: `NAME:trained` and `NAME:unseen`."""
     trained = training_ids(cfg)
+    rendering = Rendering.from_config(cfg)
     results = {}
     for name in cfg.eval.datasets:
         convs = load_prompt_set(name, cfg)
@@ -828,7 +837,7 @@ def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> d
                 block_size,
                 cfg.eval.temperature,
                 cfg.eval.top_p,
-                cfg.target.enable_thinking,
+                rendering,
                 seed=cfg.eval.seed,
                 progress=cfg.metrics.console,
                 desc=f"eval {key}",
