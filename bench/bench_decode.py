@@ -39,7 +39,7 @@ import torch
 from dflash_trainer.bench_harness import cpu_model
 from dflash_trainer.config import load_config
 from dflash_trainer.data import embedded
-from dflash_trainer.data.chat import prompt_ids
+from dflash_trainer.data.chat import Rendering
 from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.eval.specdecode import ar_generate, spec_generate
 from dflash_trainer.models.export import export_drafter, load_drafter
@@ -51,7 +51,7 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
     """n prompts, alternating MT-Bench and HumanEval (first user turn)."""
     mt, he = embedded.mtbench_prompts(), embedded.humaneval_prompts()
     convs = [c for pair in zip(mt, he) for c in pair][:n]
-    return [prompt_ids(tokenizer, c.messages[:1], False) for c in convs]
+    return [Rendering().prompt_ids(tokenizer, c.messages[:1]) for c in convs]
 
 
 def _hf_greedy(model, ids, max_new, stop):

@@ -269,6 +269,10 @@ def rows_kd(s):
     ]
 
 
+# Full-run arguments of scripts whose own defaults size a longer study (bench/RESULTS.md): the
+# bench keeps within about 20 minutes on 2 cores.
+SIZED = {"bench_generate.py": ["--prompts", "16", "--max-new-tokens", "48"]}
+
 ADAPTERS = {
     "bench_batching.py": (rows_batching, []),
     "bench_attention.py": (rows_attention, ["--quick"]),
@@ -279,7 +283,7 @@ ADAPTERS = {
     "bench_dtype.py": (rows_dtype, ["--repeats", "2"]),
     "bench_kd.py": (rows_kd, ["--repeats", "1", "--seq", "256"]),
     "bench_generate.py": (rows_generate, ["--prompts", "8", "--max-new-tokens", "32"]),
-    "bench_decode.py": (rows_decode, ["--prompts", "4", "--max-new-tokens", "64"]),
+    "bench_decode.py": (rows_decode, []),
 }
 
 
@@ -311,7 +315,7 @@ def run_all(bdir: Path, quick: bool = False, only: list[str] | None = None) -> l
         if not path.is_file():
             print(f"bench: {script} missing, skipped", file=sys.stderr)
             continue
-        cmd = [sys.executable, str(path)] + (quick_args if quick else [])
+        cmd = [sys.executable, str(path)] + (quick_args if quick else SIZED.get(script, []))
         if quick and script == "bench_pipeline.py":
             cmd.append("--quick")
         print(f"bench: running {script} ...", file=sys.stderr, flush=True)
@@ -320,7 +324,9 @@ def run_all(bdir: Path, quick: bool = False, only: list[str] | None = None) -> l
         took = time.monotonic() - t0
         if p.returncode:
             print(f"bench: {script} failed ({p.returncode}):\n{p.stderr[-2000:]}", file=sys.stderr)
-            rows.append(_row(script, "-", "-", float("nan"), note=f"FAILED rc={p.returncode}"))
+            row = _row(script, "-", "-", float("nan"), note=f"FAILED rc={p.returncode}")
+            row["script"], row["seconds"] = script, round(took, 1)  # `--only` replaces it
+            rows.append(row)
             continue
         summary = json.loads(p.stdout.strip().splitlines()[-1])
         for r in adapter(summary):
