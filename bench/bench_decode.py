@@ -120,6 +120,21 @@ def main() -> None:
     model = target.model
     prompts = _prompts(target.tokenizer, args.prompts)
     n = args.max_new_tokens
+
+    def spec(x, verify="full"):
+        return spec_generate(
+            model,
+            target.layer_ids,
+            target.embed_weight,
+            target.lm_head,
+            drafter,
+            x,
+            n,
+            block,
+            stop_ids=stop,
+            verify=verify,
+        )
+
     t = {k: [] for k in ("spec", "ref", "ar", "hf")}
     tokens = {k: 0 for k in t}
     same = {"spec": 0, "ar": 0}
@@ -133,18 +148,7 @@ def main() -> None:
             out = {}
             for k in order:
                 if k == "spec":
-                    r, s = _timed(
-                        spec_generate,
-                        model,
-                        target.layer_ids,
-                        target.embed_weight,
-                        target.lm_head,
-                        drafter,
-                        x,
-                        n,
-                        block,
-                        stop_ids=stop,
-                    )
+                    r, s = _timed(spec, x)
                     out[k] = r.tokens
                     cycles += len(r.acceptance_lengths)
                     committed += sum(r.acceptance_lengths)
@@ -184,19 +188,7 @@ def main() -> None:
             sd._draft_block = _oracle(g.tokens, x.shape[1], args.oracle_drafts)
             try:
                 for how in ("full", "adaptive") if i % 2 == 0 else ("adaptive", "full"):
-                    r, s_spec = _timed(
-                        spec_generate,
-                        model,
-                        target.layer_ids,
-                        target.embed_weight,
-                        target.lm_head,
-                        drafter,
-                        x,
-                        n,
-                        block,
-                        stop_ids=stop,
-                        verify=how,
-                    )
+                    r, s_spec = _timed(spec, x, how)
                     assert r.tokens == g.tokens, "oracle run not lossless"
                     for j, v in enumerate(
                         (s_spec, len(r.tokens), len(r.block_sizes), r.draft_time, r.verify_time)
