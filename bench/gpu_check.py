@@ -1,23 +1,36 @@
-"""GPU check sized for one H200 (< 8 minutes, no downloads).
+"""GPU check sized for one H200 (about 4 minutes, no downloads).
 
 Random-initialised target of Qwen3-8B's shape, 5-layer drafter of its size (dflash-method.md §1.1),
 synthetic token data of realistic lengths. Measures, in one run:
+  - the device's bf16 matmul rate (8192^3), the ceiling MFU is read against
   - target forward tokens/s and MFU (tapped forward, bf16)
   - drafter step tokens/s and MFU (bf16 autocast, FlexAttention when available)
   - pipelined (target and drafter on two streams of one GPU) vs sequential schedule
+  - observability on vs off (monitor, sinks, metrics ring, NVML telemetry vs none of it)
   - zero-sync check: the pipelined run under torch.cuda.set_sync_debug_mode("warn"), counting
     warnings raised from worker threads (must be 0)
   - memory peaks
-Prints one table last and writes bench/out/gpu_check.json.
+Each phase is independent: one that fails records its traceback and the others still run, so a
+device lease is never spent for nothing. Results are written after every phase to
+bench/out/gpu_check.json (and $OUT when set), with the pipelined run's metrics.jsonl beside it.
+Rates are tokens / TrainResult.train_s (the stages' running time); the final checkpoint (the
+drafter's fp32 state and Adam moments, ~12 GB at this size) and the export are skipped: this
+check measures training, not the disk.
+
+`--tiny` runs the same phases on a 2-layer model on CPU (or --device) to check the script itself.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import shutil
 import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -30,53 +43,86 @@ from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.models.target import TargetModel, tap_layer_ids  # noqa: E402
 from dflash_trainer.observe.flops import peak_tflops  # noqa: E402
 from dflash_trainer.run import train  # noqa: E402
+from dflash_trainer.run.trainer import Trainer  # noqa: E402
+
+# Training throughput, not disk: no final checkpoint, no export (see the module docstring).
+Trainer.checkpoint_now = lambda self, background=False: None
+Trainer._export_final = lambda self: None
+
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+TINY_DRAFTER = [
+    "--drafter.num_layers=1",
+    "--drafter.num_heads=4",
+    "--drafter.num_kv_heads=2",
+    "--drafter.head_dim=16",
+    "--drafter.intermediate_size=128",
+    "--drafter.num_anchors=8",
+    "--target.num_taps=2",
+]
 
 
-def qwen3_8b_target(layers: int = 36) -> TargetModel:
+def random_target(shape: dict, device: str) -> TargetModel:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1e6,
-        tie_word_embeddings=False,
+        **shape, max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False
     )
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
         model = Qwen3ForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
-    return TargetModel.from_hf(model, None, tap_layer_ids(layers, 5), name="random-Qwen3-8B")
+    layers = shape["num_hidden_layers"]
+    taps = tap_layer_ids(layers, 5 if layers > 8 else 2)
+    return TargetModel.from_hf(model, None, taps, name=f"random-Qwen3-{layers}L")
 
 
-def cfg_for(run_dir, schedule, steps):
+def make_cfg(run_dir, schedule, steps, device, tiny):
     return load_config(
         "qwen3-8b",
         None,
         [
             f"--run_dir={run_dir}",
-            "--pipeline.target_devices=cuda:0",
-            "--pipeline.drafter_device=cuda:0",
+            f"--pipeline.target_devices={device}",
+            f"--pipeline.drafter_device={device}",
             f"--pipeline.schedule={schedule}",
             f"--optim.max_steps={steps}",
             "--optim.epochs=100",
             "--metrics.wandb=off",
             "--metrics.tensorboard=false",
             "--metrics.console=false",
+            "--metrics.log_every_s=2",
             "--data.max_length=3072",
             "--batching.max_tokens=16384",
             "--checkpoint.keep_last=1",
             "--drafter.num_anchors=512",
+            *(TINY_DRAFTER if tiny else []),
         ],
     )
 
 
-def run(target, ds, schedule, steps, sync_check=False):
+def cuda_mem_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def run(target, ds, schedule, steps, args, observe=True, sync_check=False, keep_dir=None):
     hits = []
     if sync_check:
         torch.cuda.set_sync_debug_mode("warn")
@@ -89,64 +135,162 @@ def run(target, ds, schedule, steps, sync_check=False):
 
         warnings.showwarning = record
         warnings.simplefilter("always")
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     try:
         with tempfile.TemporaryDirectory() as d:
-            r = train(cfg_for(d, schedule, steps), target=target, train_set=ds)
+            run_dir = keep_dir or d
+            cfg = make_cfg(run_dir, schedule, steps, args.device, args.tiny)
+            r = train(cfg, target=target, train_set=ds, observe=observe)
     finally:
         if sync_check:
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = orig
-    return r, hits, torch.cuda.max_memory_allocated() / 2**30
+    row = {
+        "tok_s": r.tokens / r.train_s,
+        "steps": r.steps,
+        "tokens": r.tokens,
+        "train_s": r.train_s,
+        "wall_s": r.wall_s,
+        "peak_mem_gib": cuda_mem_gib(),
+        "balance": r.balance,
+        "metrics": {
+            k: v for k, v in r.metrics.items() if k.startswith(("tput/", "mem/", "gpu", "queue"))
+        },
+    }
+    return row, hits
+
+
+def matmul_tflops(device: str) -> float:
+    if not device.startswith("cuda"):
+        return 0.0
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t0) / 1e12
+
+
+class Report:
+    """Phase results, written after every phase (to bench/out and $OUT when set)."""
+
+    def __init__(self, outs: list[Path]):
+        self.outs = outs
+        self.data: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}, "errors": {}}
+        for o in outs:
+            o.mkdir(parents=True, exist_ok=True)
+
+    def phase(self, name: str, fn):
+        t0 = time.time()
+        print(f"[gpu_check] {name} ...", flush=True)
+        try:
+            self.data["phases"][name] = fn()
+            print(f"[gpu_check] {name}: done in {time.time() - t0:.1f} s", flush=True)
+        except Exception:
+            tb = traceback.format_exc()
+            self.data["errors"][name] = tb
+            print(f"[gpu_check] {name}: FAILED after {time.time() - t0:.1f} s\n{tb}", flush=True)
+        self.write()
+        return self.data["phases"].get(name)
+
+    def write(self):
+        text = json.dumps(self.data, indent=2, default=str)
+        for o in self.outs:
+            (o / "gpu_check.json").write_text(text)
 
 
 def main():
-    assert torch.cuda.is_available(), "gpu_check needs CUDA"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="an 8-layer model: check the script")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--steps", type=int, default=16, help="optimizer steps per measured run")
+    args = ap.parse_args()
+    if args.device.startswith("cuda"):
+        assert torch.cuda.is_available(), "gpu_check needs CUDA (or --tiny --device=cpu)"
     t_all = time.time()
-    target = qwen3_8b_target()
+    outs = [Path(__file__).parent / "out"] + (
+        [Path(os.environ["OUT"])] if "OUT" in os.environ else []
+    )
+    rep = Report(outs)
+    import transformers
+
+    rep.data["env"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "cpu_count": os.cpu_count(),
+    }
+    print(rep.data["env"], flush=True)
+    rep.phase("matmul_bf16_tflops", lambda: matmul_tflops(args.device))
+    target = rep.phase(
+        "build_target", lambda: random_target(TINY if args.tiny else QWEN3_8B, args.device)
+    )
+    if target is None:
+        return
+    rep.data["phases"]["build_target"] = target.name  # not JSON
     ds = synthetic_dataset(3000, target.vocab_size)
-    ds_lengths = np.asarray(ds.lengths)
-    peak = peak_tflops(torch.device("cuda:0"))
-    # warm-up (compile flex attention, cuBLAS heuristics)
-    run(target, ds, "pipelined", 3)
-    res = {}
-    for sched in ("sequential", "pipelined"):
-        r, _, mem = run(target, ds, sched, 20)
-        res[sched] = {
-            "tok_s": r.tokens / r.wall_s,
-            "steps": r.steps,
-            "wall_s": r.wall_s,
-            "peak_mem_gib": mem,
-            "metrics": {k: v for k, v in r.metrics.items() if k.startswith(("tput/", "mem/"))},
-        }
-    r, hits, mem = run(target, ds, "pipelined", 8, sync_check=True)
-    m = res["pipelined"]["metrics"]
+    rep.data["mean_sequence_length"] = float(np.asarray(ds.lengths).mean())
+    rep.data["peak_tflops_table"] = peak_tflops(torch.device(args.device))
+    # warm-up: flex attention compiles, cuBLAS heuristics, the allocator's pools
+    rep.phase("warmup", lambda: run(target, ds, "pipelined", 3, args)[0])
+    n = args.steps
+    keep = outs[0] / "gpu_pipelined_run"
+    shutil.rmtree(keep, ignore_errors=True)
+    seq = rep.phase("sequential", lambda: run(target, ds, "sequential", n, args)[0])
+    pipe = rep.phase("pipelined", lambda: run(target, ds, "pipelined", n, args, keep_dir=keep)[0])
+    off = rep.phase(
+        "pipelined_observe_off", lambda: run(target, ds, "pipelined", n, args, observe=False)[0]
+    )
+    pipe2 = rep.phase("pipelined_again", lambda: run(target, ds, "pipelined", n, args)[0])
+    if args.device.startswith("cuda"):
+        sync = rep.phase(
+            "sync_check",
+            lambda: dict(
+                zip(("run", "hits"), run(target, ds, "pipelined", 6, args, sync_check=True))
+            ),
+        )
+    else:
+        sync = None
+    for o in outs[1:]:
+        jl = keep / "metrics.jsonl"
+        if jl.exists():
+            shutil.copy(jl, o / "gpu_pipelined_metrics.jsonl")
+
+    def get(row, key, default=float("nan")):
+        return row.get(key, default) if row else default
+
+    m = get(pipe, "metrics", {})
+    pipes = [r["tok_s"] for r in (pipe, pipe2) if r]
     table = [
+        ("device", rep.data["env"]["device"]),
+        ("bf16 matmul 8192^3 TFLOP/s (measured)", get(rep.data["phases"], "matmul_bf16_tflops")),
+        ("device peak TFLOP/s used for MFU", rep.data["peak_tflops_table"]),
         ("target tokens/s (pipelined)", m.get("tput/target_tok_s", float("nan"))),
         ("target MFU % (pipelined)", m.get("tput/mfu_target", float("nan"))),
         ("drafter tokens/s (pipelined)", m.get("tput/drafter_tok_s", float("nan"))),
         ("drafter MFU % (pipelined)", m.get("tput/mfu_drafter", float("nan"))),
-        ("pipelined tokens/s", res["pipelined"]["tok_s"]),
-        ("sequential tokens/s", res["sequential"]["tok_s"]),
-        ("pipelined / sequential", res["pipelined"]["tok_s"] / res["sequential"]["tok_s"]),
-        ("sync warnings from worker threads", len(hits)),
-        ("peak memory GiB (pipelined)", res["pipelined"]["peak_mem_gib"]),
-        ("peak memory GiB (sequential)", res["sequential"]["peak_mem_gib"]),
-        ("mean sequence length", float(ds_lengths.mean())),
-        ("device peak TFLOP/s used for MFU", peak),
+        ("pipelined tokens/s", get(pipe, "tok_s")),
+        ("sequential tokens/s", get(seq, "tok_s")),
+        ("pipelined / sequential", get(pipe, "tok_s") / get(seq, "tok_s")),
+        (
+            "observability on / off",
+            (sum(pipes) / len(pipes) if pipes else float("nan")) / get(off, "tok_s"),
+        ),
+        ("sync warnings from worker threads", len(sync["hits"]) if sync else "n/a"),
+        ("peak memory GiB (pipelined)", get(pipe, "peak_mem_gib")),
+        ("peak memory GiB (sequential)", get(seq, "peak_mem_gib")),
+        ("balance (pipelined)", get(pipe, "balance", "")),
+        ("mean sequence length", rep.data["mean_sequence_length"]),
+        ("failed phases", ", ".join(rep.data["errors"]) or "none"),
         ("wall time of this check (s)", time.time() - t_all),
     ]
-    out = Path(__file__).parent / "out"
-    out.mkdir(exist_ok=True)
-    payload = {
-        "device": torch.cuda.get_device_name(0),
-        "date": time.strftime("%Y-%m-%d"),
-        "results": res,
-        "sync_hits": hits[:20],
-        "table": table,
-    }
-    (out / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str))
-    print(f"\n## gpu_check {payload['date']} on {payload['device']}\n")
+    rep.data["table"] = table
+    rep.write()
+    print(f"\n## gpu_check {rep.data['date']} on {rep.data['env']['device']}\n")
     print("| metric | value |\n|---|---|")
     for k, v in table:
         print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")

@@ -164,6 +164,8 @@ def test_periodic_eval_keeps_the_best_drafter(tmp_path):
         },
     )
     res = train(cfg, target=tiny_target(), train_set=train_set, heldout=heldout)
+    # the training rate's time excludes start-up, the final checkpoint, evaluation and export
+    assert 0 < res.train_s < res.wall_s
     rows = [json.loads(l) for l in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     taus = [r for r in rows if any("eval/tau" in str(k) for k in r)]
     assert len(taus) >= 2

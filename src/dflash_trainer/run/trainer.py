@@ -111,7 +111,7 @@ class TrainResult:
     run_dir: Path
     steps: int
     reason: str
-    wall_s: float
+    wall_s: float  # the whole call: building, training, final checkpoint, evaluation, export
     tokens: int
     export_dir: Path | None
     checkpoint: Path | None
@@ -121,6 +121,9 @@ class TrainResult:
     # the end-of-run evaluation on every reported held-out prompt (eval.at_end): eval/tau,
     # eval/tau/<source>, eval/tau_sim, eval/tau_sim_gap, ...; empty when none ran
     eval: dict = field(default_factory=dict)
+    # seconds the stages ran (supervised training only): tokens / train_s is the training rate
+    # without start-up, the final checkpoint, evaluation and export
+    train_s: float = 0.0
 
 
 def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler:
@@ -583,7 +586,9 @@ class Trainer:
         merged: dict = {}
         console = console_above_bar(self.bar)  # log lines print above the progress bar
         try:
+            t_train = time.monotonic()
             reason = self._supervise()
+            train_s = time.monotonic() - t_train
             balance = self._report_balance()
             # The drafter thread has stopped: its state is consistent. Checkpoint + export.
             if self.dist is not None:  # final snapshot; the checkpoint gather then orders it
@@ -622,6 +627,7 @@ class Trainer:
             history=history,
             balance=balance,
             eval=final_eval,
+            train_s=train_s,
         )
 
 
