@@ -253,6 +253,18 @@ def test_tap_check_catches_hooks_on_the_wrong_layers():
         t.check_taps()
 
 
+def test_tap_check_through_the_step_compares_under_the_same_mask():
+    """TargetStep.check hands its 4-D mask to both paths; the check still catches wrong hooks."""
+    from dflash_trainer.pipeline.steps import TargetStep
+
+    t = TargetModel.from_hf(tiny_qwen3(layers=6), None, [1, 3])
+    step = TargetStep(t, torch.device("cpu"), torch.float32)
+    assert step.check() < 1e-5
+    t.layer_ids = [3, 1]
+    with pytest.raises(UserError, match=r"layer 3 differ from output_hidden_states\[4\]"):
+        step.check()
+
+
 def test_tap_check_catches_non_finite_features():
     model = tiny_llama(layers=6)
     t = TargetModel.from_hf(model, None, [1, 3])

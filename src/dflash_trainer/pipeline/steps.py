@@ -65,8 +65,9 @@ class TargetStep:
     def check(self) -> float:
         """The target's tap integrity check through this step's own capture path (the cached
         4-D causal mask included). Startup only."""
+        mask = self._causal_mask(32)
         return self.target.check_taps(
-            lambda ids: self.target.features(ids, self._causal_mask(ids.shape[1]))
+            lambda ids: self.target.features(ids, mask), seq_len=32, attention_mask=mask
         )
 
     def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
