@@ -113,14 +113,12 @@ def test_resolve_impl():
 @pytest.mark.skipif(not A.flex_available(), reason="FlexAttention not importable")
 def test_flex_mask_mod_matches_dense_eager_cpu():
     """Eager (uncompiled) flex runs forward on CPU: checks the mask_mod against the reference."""
-    import torch.nn.attention.flex_attention as FA
-
     q, k, v, anchors, valid = _inputs(hq=2, hkv=2)
     ref = A.dense_attention(q, k, v, anchors, valid, BS)
-    built, real = [], FA.create_block_mask
+    built, real = [], A.flex_block_mask
     cache: dict = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(FA, "create_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+        mp.setattr(A, "flex_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
         with pytest.warns(UserWarning):
             for _ in range(2):  # two layers of one forward share the BlockMask
                 out = A.flex_block_attention(
@@ -130,32 +128,79 @@ def test_flex_mask_mod_matches_dense_eager_cpu():
     assert len(built) == 1
 
 
+def _tiles(mask, tile, q_len, kv_len):
+    """Per (query tile, kv tile) of a dense [B, Q, KV] mask: any True, all True (a tile that
+    runs past Q or KV is never all True: flex masks the overhang itself)."""
+    B = mask.shape[0]
+    nq, nkv = -(-q_len // tile), -(-kv_len // tile)
+    padded = torch.zeros(B, nq * tile, nkv * tile, dtype=torch.bool)
+    inside = torch.zeros_like(padded)
+    padded[:, :q_len, :kv_len] = mask
+    inside[:, :q_len, :kv_len] = True
+    t = padded.view(B, nq, tile, nkv, tile)
+    whole = inside.view(B, nq, tile, nkv, tile).all(4).all(2)
+    return t.any(4).any(2), t.all(4).all(2) & whole
+
+
+def _layout(m, idx, num):
+    """[B, 1, nq, nkv] ordered indices -> [B, nq, nkv] bool."""
+    B, _, nq, nkv = idx.shape
+    out = torch.zeros(B, nq, nkv, dtype=torch.bool)
+    for b in range(B):
+        for i in range(nq):
+            out[b, i, idx[b, 0, i, : num[b, 0, i]].long()] = True
+    return out
+
+
+@pytest.mark.skipif(not A.flex_available(), reason="FlexAttention not importable")
+@pytest.mark.parametrize(
+    "bs,N,S,tile,seed",
+    [(16, 24, 200, 128, 0), (16, 40, 256, 128, 1), (4, 30, 13, 16, 2), (24, 9, 70, 32, 3)],
+)
+def test_flex_block_mask_tiles_match_the_dense_mask(bs, N, S, tile, seed):
+    """The structural BlockMask against the dense reference, tile by tile: every tile with a
+    visible pair is listed (full or partial), every full tile is all visible, and with blocks
+    that divide the tile nothing is listed that the mask does not need."""
+    g = torch.Generator().manual_seed(seed)
+    B = 3
+    anchors = torch.randint(0, S, (B, N), generator=g).sort(-1).values
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, N // 2 :] = False  # padding blocks at the end of a row
+    valid[2] = torch.rand(B, N, generator=g)[2] > 0.3  # and scattered ones
+    Q, KV = N * bs, S + N * bs
+    bm = A.flex_block_mask(anchors, valid, bs, S, Q, KV, tile=tile)
+    dense = A.dense_mask(anchors, valid, bs, S)
+    want_any, want_full = _tiles(dense, tile, Q, KV)
+    full = _layout(None, bm.full_kv_indices, bm.full_kv_num_blocks)
+    partial = _layout(None, bm.kv_indices, bm.kv_num_blocks)
+    assert not (full & partial).any()
+    assert (want_any <= (full | partial)).all()  # nothing visible is skipped
+    assert (full <= want_full).all()  # a full tile skips mask_mod: it must be all visible
+    if tile % bs == 0:
+        assert torch.equal(full | partial, want_any)
+        ctx_tiles = S // tile  # tiles wholly in the context
+        assert torch.equal(full[..., :ctx_tiles], want_full[..., :ctx_tiles])
+
+
 @pytest.mark.skipif(
     not A.flex_available() or shutil.which("g++") is None,
     reason="compiled FlexAttention on CPU needs inductor's C++ compiler",
 )
 def test_flex_compiled_forward_matches_dense_cpu():
-    """The compiled flex kernel (inductor, CPU) with our BlockMask, GQA included, against dense.
-
-    CPU flex has no backward and inductor cannot compile create_block_mask on CPU, so the block
-    mask is built eagerly here; on CUDA both are compiled (test below)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    q, k, v, anchors, valid = _inputs(hq=4, hkv=2, N=6, S=13, d=16)
-    S = k.shape[2] - q.shape[2]
-    ref = A.dense_attention(q, k, v, anchors, valid, BS)
-    bm = create_block_mask(
-        A.flex_mask_mod(anchors, valid, BS, S),
-        q.shape[0],
-        None,
-        q.shape[2],
-        k.shape[2],
-        device="cpu",
-        _compile=False,
-    )
-    out = A._compiled_flex()(q, k, v, block_mask=bm, enable_gqa=True)
-    keep = valid.repeat_interleave(BS, dim=1)[:, None, :, None]
-    torch.testing.assert_close(out * keep, ref)
+    """The compiled flex kernel (inductor, CPU: forward only) with our structural BlockMask, GQA
+    included, against dense, at a shape of several 128-tiles so that skipped, full and partial
+    tiles all occur (eager flex ignores the block structure; the compiled kernel obeys it)."""
+    g = torch.Generator().manual_seed(0)
+    B, hq, hkv, N, bs, S, d = 2, 4, 2, 24, 16, 200, 16
+    q = torch.randn(B, hq, N * bs, d, generator=g)
+    k = torch.randn(B, hkv, S + N * bs, d, generator=g)
+    v = torch.randn(B, hkv, S + N * bs, d, generator=g)
+    anchors = torch.randint(0, S, (B, N), generator=g).sort(-1).values
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, 17:] = False
+    ref = A.dense_attention(q, k, v, anchors, valid, bs)
+    out = A.flex_block_attention(q, k, v, anchors, valid, bs)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(

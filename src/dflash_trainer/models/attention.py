@@ -19,7 +19,8 @@ Three implementations behind one function, ``block_attention(..., impl=...)``:
            [B, h, N, bs, bs] scores, merged by log-sum-exp (a shared per-row max). Never builds the
            [Q, Q] block mask; a custom autograd function works a chunk of blocks at a time in both
            passes and keeps only the output and the log-sum-exp for backward (flash-style).
-    flex   FlexAttention with a compiled BlockMask (H=None, pitfall §5.8); CUDA only.
+    flex   FlexAttention with a BlockMask built from the mask's structure (H=None, pitfall
+           §5.8); CUDA only.
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ def flex_available() -> bool:
         import torch.nn.attention.flex_attention as fa
     except Exception:  # older torch / stripped builds
         return False
-    return hasattr(fa, "create_block_mask") and hasattr(fa, "flex_attention")
+    return hasattr(fa, "BlockMask") and hasattr(fa.BlockMask, "from_kv_blocks")
 
 
 @functools.cache
@@ -337,31 +338,81 @@ def flex_mask_mod(
     return mask_mod
 
 
+def flex_block_mask(
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    block_size: int,
+    context_len: int,
+    q_len: int,
+    kv_len: int,
+    tile: int = 128,
+):
+    """The §2.3 BlockMask built from the mask's known structure: no mask_mod evaluation over the
+    [Q, S+Q] grid and nothing compiled, only [B, Q] and [B, Q/tile, KV/tile] index arithmetic.
+
+    Why not `create_block_mask`: on an H200 with torch 2.11 its compiled helper (a sort over the
+    kv tiles) sent ptxas past five minutes on the drafter's first step and the step never ran;
+    uncompiled, it materialises the whole [B, Q, S+Q] grid (GBs at Qwen3-8B's shape).
+
+    Per query row r of block j = r // bs: context tiles entirely before min(anchor_j, S) are
+    full, the one it ends in is partial; its own block's keys S + j*bs .. S + (j+1)*bs - 1 fall
+    in one or two partial tiles. A tile is full for a query tile only if it is full for every
+    row of it (rows past Q and padding blocks make nothing full); partial tiles run mask_mod.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, N = anchors.shape
+    S, bs, dev = context_len, block_size, anchors.device
+    nq, nkv = -(-q_len // tile), -(-kv_len // tile)
+    rows = torch.arange(nq * tile, device=dev)
+    blk = (rows // bs).clamp_max(N - 1)
+    live = block_valid[:, blk] & (rows < q_len)  # [B, R]: rows that attend to anything
+    seen = torch.where(live, anchors[:, blk].clamp(0, S), 0)  # visible context prefix
+    ctx_any = ((seen + tile - 1) // tile).view(B, nq, tile).amax(-1)  # tiles [0, ctx_any)
+    ctx_full = (seen // tile).view(B, nq, tile).amin(-1)  # tiles [0, ctx_full) are full
+    big = torch.tensor(nkv, device=dev)
+    own_lo = torch.where(live, (S + blk * bs) // tile, big).view(B, nq, tile).amin(-1)
+    own_hi = torch.where(live, (S + (blk + 1) * bs - 1) // tile, -1).view(B, nq, tile).amax(-1)
+    c = torch.arange(nkv, device=dev)
+    full = c < ctx_full[..., None]  # [B, nq, nkv]
+    partial = (c < ctx_any[..., None]) | ((c >= own_lo[..., None]) & (c <= own_hi[..., None]))
+    partial &= ~full
+
+    def ordered(m):  # ascending tile indices of True first, as flex expects
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return m.sum(-1, dtype=torch.int32)[:, None], idx[:, None]
+
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=tile,
+        mask_mod=flex_mask_mod(anchors, block_valid, block_size, S),
+        seq_lengths=(q_len, kv_len),
+    )
+
+
 def flex_block_attention(
     q, k, v, anchors, block_valid, block_size, scale=None, compile=True, mask_cache=None
 ):
-    """FlexAttention with a BlockMask built for H=None (broadcast over heads; §5.8).
+    """FlexAttention with a BlockMask built for H=None (broadcast over heads; §5.8) by
+    `flex_block_mask`.
 
     ``compile=False`` runs eager flex (slow, any device): used by CPU tests to check the mask_mod.
     Fully masked rows (padding blocks) come out as zeros from flex itself; multiplying by the
     validity keeps that explicit and independent of the kernel.
     """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     B, hq, N, S, d = _check(q, k, anchors, block_size)
     Q, KV = q.shape[2], k.shape[2]
     bm = _cached(
         mask_cache,
         "flex",
-        lambda: create_block_mask(
-            flex_mask_mod(anchors, block_valid, block_size, S),
-            B,
-            None,
-            Q,
-            KV,
-            device=q.device,
-            _compile=compile,
-        ),
+        lambda: flex_block_mask(anchors, block_valid, block_size, S, Q, KV),
     )
     fn = _compiled_flex() if compile else flex_attention
     enable_gqa = hq != k.shape[1]
