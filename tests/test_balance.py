@@ -1,5 +1,6 @@
 """Stage balance verdict and sizing from worker counters (observe/balance.py)."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -78,3 +79,16 @@ def test_train_reports_the_balance(tmp_path, monkeypatch):
     ]
     assert len(events) == 1 and events[0]["pipeline/verdict"] in res.balance
     assert 0 < events[0]["pipeline/drafter_busy"] <= 1 and events[0]["pipeline/drafter_tok_s"] > 0
+
+
+def test_train_with_four_threads_runs_the_adaptive_split(tmp_path):
+    """pipeline.cpu_threads=4 (more than 2: another integer split exists): the run trains with
+    the adaptive split on and the balance line names the split it started from and ended at."""
+    cfg = tiny_config(tmp_path, **{"optim.epochs": 2, "pipeline.cpu_threads": 4})
+    res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
+    assert res.steps > 0
+    m = re.search(
+        r"CPU threads: target (\d) : drafter (\d) of 4 \(adaptive: from 2 : 2", res.balance
+    )
+    assert m, res.balance
+    assert int(m.group(1)) + int(m.group(2)) == 4 and min(int(m.group(1)), int(m.group(2))) >= 1

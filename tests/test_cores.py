@@ -1,12 +1,14 @@
 """CoreShare (pipeline/cores.py): the drafter borrows the target's cores only while the target is
 parked, no core is ever claimed twice, and neither stage starves."""
 
+import math
+import random
 import threading
 import time
 
 import pytest
 
-from dflash_trainer.pipeline.cores import CoreShare
+from dflash_trainer.pipeline.cores import CoreShare, rebalanced
 from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
 
 
@@ -108,3 +110,114 @@ def test_several_target_workers_never_park():
     q.put(0, stop)
     assert share.park_while_ahead(stop, 0.01) == 0
     assert share.drafter_threads(False) == 1 and share.drafter_threads(True) == 3
+
+
+# ------------------------------------------------------------------ the adaptive split (>= 3 cores)
+@pytest.mark.parametrize("cores", [3, 4, 8, 16])
+def test_rebalanced_never_starves_a_stage_under_fake_busy_profiles(cores):
+    """Extreme and random thread-second profiles: the target keeps 1..cores-1 threads, every
+    move goes towards the stage that did more work, and a move is one thread."""
+    g = random.Random(cores)
+    t = cores // 2
+    profiles = [(0.0, 5.0), (5.0, 0.0), (0.0, 0.0), (1e-9, 1e9), (1e9, 1e-9)]
+    profiles += [(g.expovariate(1.0), g.expovariate(1.0)) for _ in range(500)]
+    for wt, wd in profiles:
+        new = rebalanced(t, cores, wt, wd)
+        assert 1 <= new <= cores - 1
+        assert abs(new - t) <= 1
+        if new > t:  # the target's share of the work is above its share of the threads
+            assert wt / (wt + wd) > t / cores
+        if new < t:
+            assert wt / (wt + wd) < t / cores
+        t = new
+
+
+def test_rebalanced_with_two_cores_keeps_the_only_split():
+    assert rebalanced(1, 2, 0.0, 9.0) == 1 and rebalanced(1, 2, 9.0, 0.0) == 1
+
+
+@pytest.mark.parametrize(
+    "cores,w_target,w_drafter", [(4, 1.0, 3.0), (8, 1.0, 1.0), (8, 5.0, 1.0), (16, 1.0, 6.0)]
+)
+def test_rebalanced_converges_to_the_balanced_split_without_see_saw(cores, w_target, w_drafter):
+    """A fake pipeline whose stages scale linearly (a batch costs w thread-seconds): each
+    window both stages do the same batches, so the split walks monotonically to a neighbour of
+    cores * w_t / (w_t + w_d) and stays there."""
+    t, seen = 1 if w_target > w_drafter else cores - 1, []
+    for _ in range(3 * cores):
+        batches = 10  # per window; thread-seconds do not depend on the split under linear scaling
+        t = rebalanced(t, cores, w_target * batches, w_drafter * batches)
+        seen.append(t)
+    ideal = cores * w_target / (w_target + w_drafter)
+    assert seen[-1] in (max(1, math.floor(ideal)), min(cores - 1, math.ceil(ideal)))
+    steps = [b - a for a, b in zip(seen, seen[1:]) if b != a]
+    assert all(s == steps[0] for s in steps)  # one direction only
+    assert seen[-cores:] == [seen[-1]] * cores  # settled
+
+
+def test_adaptive_split_moves_threads_to_the_slow_drafter_and_never_oversubscribes():
+    """Threads with sleeps for work (w / threads: linear scaling) on 4 fake cores, starting
+    2 : 2 with a drafter 3x the target's work: the split moves to 1 : 3 and no more cores than 4
+    are claimed at any moment, moves included."""
+    q = BoundedQueue("hidden", 2, 0.01)
+    share = CoreShare(q, own=2, all_threads=4, park=False, adapt=True, window_s=0.05)
+    stop, lock = threading.Event(), threading.Lock()
+    claimed = [0, 0]
+    n, w_t, w_d = 60, 0.006, 0.018
+
+    def claim(k):
+        with lock:
+            claimed[0] += k
+            claimed[1] = max(claimed[1], claimed[0])
+
+    def target():
+        for i in range(n):
+            k = share.target_threads()
+            claim(k)
+            t0 = time.perf_counter_ns()
+            time.sleep(w_t / k)
+            share.record("target", time.perf_counter_ns() - t0, k)
+            claim(-k)
+            q.put(i, stop)
+
+    got = []
+
+    def drafter():
+        while len(got) < n:
+            got.append(q.get(stop))
+            k = share.drafter_threads(from_cache=False)
+            claim(k)
+            t0 = time.perf_counter_ns()
+            time.sleep(w_d / k)
+            share.record("drafter", time.perf_counter_ns() - t0, k)
+            claim(-k)
+
+    threads = [threading.Thread(target=target), threading.Thread(target=drafter)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a stage starved or deadlocked"
+    assert got == list(range(n))
+    assert claimed[1] <= 4, f"{claimed[1]} cores claimed at once on 4"
+    assert (share.target_alloc, share.own) == (1, 3), share.summary()
+    assert share.moves == 1 and "adaptive: from 2 : 2, 1 moves" in share.summary()
+
+
+def test_a_moved_thread_is_taken_only_after_the_giver_let_go():
+    """Deterministic order of calls across one move each way (4 cores, start 2 : 2)."""
+    q = BoundedQueue("hidden", 2, 0.01)
+    share = CoreShare(q, own=2, all_threads=4, park=False, adapt=True, window_s=0.0)
+    assert share.target_threads() == 2 and share.drafter_threads(False) == 2
+    share.record("target", 10**9, 2)
+    share.record("drafter", 3 * 10**9, 2)  # the drafter did 3x the work: one thread moves to it
+    assert (share.target_alloc, share.own) == (1, 3)
+    assert share.drafter_threads(False) == 2  # the target's step still runs on 2
+    assert share.target_threads() == 1  # its next step lets go of one
+    assert share.drafter_threads(False) == 3  # then the drafter takes it
+    share.record("target", 9 * 10**9, 1)
+    share.record("drafter", 10**9, 3)  # now the target is the slow stage: one moves back
+    assert (share.target_alloc, share.own) == (2, 2)
+    assert share.target_threads() == 1  # the drafter's step still runs on 3
+    assert share.drafter_threads(False) == 2
+    assert share.target_threads() == 2

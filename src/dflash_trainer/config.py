@@ -321,8 +321,9 @@ class PipelineConfig:
     share_cores: bool = _f(
         True,
         "CPU pipelines with one target worker: a target a full hidden-state queue ahead parks "
-        "until the drafter drains it, and the drafter takes every core meanwhile (with 2 cores "
-        "there is no other split to move to); false = the fixed target_thread_share split "
+        "until the drafter drains it, and the drafter takes every core meanwhile; with 3 or "
+        "more cores the split also follows the measured work of each stage, one thread at a "
+        "time, starting from target_thread_share; false = the fixed target_thread_share split "
         "(pipeline/cores.py)",
     )
     feature_cache_gb: float = _f(

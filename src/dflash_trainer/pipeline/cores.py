@@ -15,10 +15,23 @@ other integer split of 2), so the stages time-share instead:
   so the target cannot resume during that step: no core is ever claimed twice.
 - Batches served from the feature cache leave the target idle too (pipeline/feature_cache.py).
 
-When the target is the slower stage the drafter already waits on an empty queue; the balance line
-(observe/balance.py) then advises more anchors (free training signal) or more target devices.
-On GPUs the same decision is a device ratio, not threads: target devices per drafter device,
-sized from the balance line's "one drafter can absorb N target workers".
+With 3 or more cores there are other integer splits, and the split itself follows the
+bottleneck (`adapt`), in both directions:
+
+- Each stage reports its steps' thread-seconds (elapsed x threads used). Every `window_s` the
+  drafter thread compares the two sums: under linear scaling the split that equalises the stages
+  gives the target `cores x work_target / (work_target + work_drafter)` threads. The allotment
+  moves one thread at a time towards that, and only when it is more than 0.75 threads away
+  (hysteresis: no see-saw between two neighbouring splits).
+- Neither stage ever gets fewer than one thread (a stage with no threads would starve the other).
+- A thread moves giver first: each stage runs with min(its allotment, cores - the threads the
+  other stage runs with now), so the receiver's team grows only once the giver's next step has
+  shrunk its own. No core is claimed twice across a move.
+
+Parking still applies on top (a target a full queue ahead lends every core), and when the target
+is the slower stage the split moves threads to it. On GPUs the same decision is a device ratio,
+not threads: target devices per drafter device, sized from the balance line's "one drafter can
+absorb N target workers".
 
 Applies with one target worker (several workers would need a count of parked producers).
 """
@@ -31,19 +44,56 @@ import time
 from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
 
 
+def rebalanced(target_threads: int, cores: int, work_target: float, work_drafter: float) -> int:
+    """The target's next allotment: one thread towards the split that equalises the stages'
+    thread-seconds, kept within [1, cores - 1]. Pure, for tests with fake busy profiles."""
+    if cores < 3 or work_target + work_drafter <= 0:
+        return target_threads
+    ideal = cores * work_target / (work_target + work_drafter)
+    if ideal > target_threads + 0.75:
+        target_threads += 1
+    elif ideal < target_threads - 0.75:
+        target_threads -= 1
+    return min(max(target_threads, 1), cores - 1)
+
+
 class CoreShare:
-    """Shared by the one target worker (`park_while_ahead`) and the drafter (`drafter_threads`).
+    """Shared by the one target worker (`park_while_ahead`, `target_threads`) and the drafter
+    (`drafter_threads`); both report their steps' work with `record`.
 
     `own`: the drafter's threads under the fixed split; `all_threads`: every core of the process.
+    `adapt`: move threads between the stages (3 or more cores; see the module docstring).
     """
 
-    def __init__(self, hs_q: BoundedQueue, own: int, all_threads: int, park: bool = True):
+    def __init__(
+        self,
+        hs_q: BoundedQueue,
+        own: int,
+        all_threads: int,
+        park: bool = True,
+        adapt: bool = False,
+        window_s: float = 2.0,
+    ):
         self.hs_q = hs_q
         self.park = park  # False with several target workers: only cached batches borrow
-        self.own, self.all_threads = int(own), int(all_threads)
+        self.all_threads = int(all_threads)
+        self.start_split = (self.all_threads - int(own), int(own))  # (target, drafter)
+        self.target_alloc = self.start_split[0]  # written by the drafter thread only
+        self.adapt = adapt and self.all_threads >= 3
+        self.window_ns = int(window_s * 1e9)
         self._parked = threading.Event()
+        # the threads each stage runs its current step with (each written by its own thread)
+        self._running = {"target": self.start_split[0], "drafter": self.start_split[1]}
+        self._work = {"target": 0.0, "drafter": 0.0}  # thread-seconds in this window
+        self._window_t0 = time.perf_counter_ns()
+        self.moves = 0
         self.borrowed_steps = 0  # drafter steps run with every core (drafter thread only)
         self.steps = 0
+
+    @property
+    def own(self) -> int:
+        """The drafter's allotment now."""
+        return self.all_threads - self.target_alloc
 
     @property
     def parked(self) -> bool:
@@ -67,17 +117,48 @@ class CoreShare:
             self._parked.clear()
         return time.perf_counter_ns() - t0
 
+    def target_threads(self) -> int:
+        """Target worker, before a forward (after parking): its OpenMP team size for it."""
+        n = max(1, min(self.target_alloc, self.all_threads - self._running["drafter"]))
+        self._running["target"] = n
+        return n
+
     def drafter_threads(self, from_cache: bool) -> int:
         """Drafter, right after taking a batch: its OpenMP team size for this step."""
         self.steps += 1
         if from_cache or (self.parked and self.hs_q.qsize() > 0):
             self.borrowed_steps += 1
-            return self.all_threads
-        return self.own
+            n = self.all_threads
+        else:
+            n = max(1, min(self.own, self.all_threads - self._running["target"]))
+        self._running["drafter"] = n
+        return n
+
+    def record(self, stage: str, elapsed_ns: int, threads: int) -> None:
+        """A step's work (elapsed x threads), from the stage's own thread. The drafter's call
+        also rebalances the split once a window has passed."""
+        self._work[stage] += elapsed_ns * 1e-9 * threads
+        if stage != "drafter" or not self.adapt:
+            return
+        now = time.perf_counter_ns()
+        if now - self._window_t0 < self.window_ns:
+            return
+        new = rebalanced(
+            self.target_alloc, self.all_threads, self._work["target"], self._work["drafter"]
+        )
+        if new != self.target_alloc:
+            self.target_alloc = new
+            self.moves += 1
+        self._work = {"target": 0.0, "drafter": 0.0}
+        self._window_t0 = now
 
     def summary(self) -> str:
         share = self.borrowed_steps / self.steps if self.steps else 0.0
+        split = f"target {self.target_alloc} : drafter {self.own} of {self.all_threads}"
+        if self.adapt:
+            t0, d0 = self.start_split
+            split += f" (adaptive: from {t0} : {d0}, {self.moves} moves)"
         return (
-            f"CPU threads: drafter {self.own} of {self.all_threads}, all {self.all_threads} "
-            f"on {share:.0%} of its steps (target parked ahead or batch from the feature cache)"
+            f"CPU threads: {split}; the drafter ran with all {self.all_threads} on {share:.0%} "
+            "of its steps (target parked ahead or batch from the feature cache)"
         )

@@ -249,6 +249,8 @@ class DrafterStep:
                 counters.gauges["lr"] = self.sched.get_last_lr()[0]
         self.timer.stop(tok, self.stream)
         t3 = time.perf_counter_ns()
+        if self.cores is not None:
+            self.cores.record("drafter", t3 - t0, self._threads_now)
         if counters is not None:
             counters.add_phase("drafter_fwd", t1 - t0)
             counters.add_phase("drafter_bwd", t2 - t1)

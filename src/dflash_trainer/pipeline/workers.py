@@ -12,6 +12,8 @@ import logging
 import threading
 import time
 
+import torch
+
 from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkItem
 from dflash_trainer.pipeline.queues import BoundedQueue
@@ -41,7 +43,8 @@ class TargetWorker(Stage):
     ):
         super().__init__(name, events=events, stop=stop, threads=threads, faults=faults)
         self.step_fn, self.work_q, self.hs_q, self.lock = step_fn, work_q, hs_q, lock
-        self.cores = cores  # CPU: pipeline.cores.CoreShare (park while a full queue ahead)
+        self.cores = cores  # CPU: pipeline.cores.CoreShare (parking, the adaptive split)
+        self.team = threads  # this thread's OpenMP team size now
 
     def on_end(self, item: End) -> None:
         self.work_q.put_nowait(item)  # siblings must see it too
@@ -58,11 +61,18 @@ class TargetWorker(Stage):
                 parked = self.cores.park_while_ahead(self.stop, self.hs_q.poll_s)
                 c.wait_out_ns += parked  # waiting on the drafter, like a blocked put
                 c.add_phase("parked", parked)
+                team = self.cores.target_threads()
+                if team != self.team:
+                    torch.set_num_threads(team)
+                    self.team = c.gauges["threads"] = team
             t1 = time.perf_counter_ns()
             # (the lock: the eval loop borrows the target between steps)
             with self.lock, self.guard("target", item.batch.input_ids.shape, c.steps):
                 hb = self.step_fn(item, c)
-            c.busy_ns += time.perf_counter_ns() - t1
+            busy = time.perf_counter_ns() - t1
+            c.busy_ns += busy
+            if self.cores is not None:
+                self.cores.record("target", busy, self.team)
             t2 = time.perf_counter_ns()
             self.hs_q.put(hb, self.stop)
             c.wait_out_ns += time.perf_counter_ns() - t2

@@ -97,7 +97,8 @@ def share_cores(cfg: Config, hs_q, cache, drafter_threads: int, target_threads: 
     park = p.share_cores and len(p.target_devices) == 1
     if not park and cache is None:
         return None
-    return CoreShare(hs_q, drafter_threads, drafter_threads + target_threads, park=park)
+    total = drafter_threads + target_threads
+    return CoreShare(hs_q, drafter_threads, total, park=park, adapt=park)
 
 
 def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[int, list[int]]:
