@@ -118,8 +118,9 @@ def _heldout_checks(cfg: Config, eval_target, export_dir, report, dtype, block) 
     chosen = [e for e in report if e.source == "mt-bench"] or report
     prompts = [e.prompt for e in chosen]
     bars = cfg.metrics.console
-    spec = evaluate(eval_target, drafter, prompts, n, block, baseline=False, progress=bars)
-    ar = evaluate(eval_target, None, prompts, n, 1, baseline=False, progress=bars).spec_results
+    how = dict(baseline=False, progress=bars, packed=cfg.target.packed_linear)
+    spec = evaluate(eval_target, drafter, prompts, n, block, **how)
+    ar = evaluate(eval_target, None, prompts, n, 1, **how).spec_results
     s = summarize(spec.spec_results, ar, block)
     stop = eval_target.eos_token_ids
     ref = reference_tau(export_dir, eval_target.model, prompts, n, block, stop, progress=bars)

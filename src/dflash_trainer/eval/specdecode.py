@@ -47,6 +47,7 @@ from dflash_trainer.errors import UserError
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, model_dtype, target_in
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache, tap_outputs
 from dflash_trainer.observe.progress import showing_progress
 
@@ -514,6 +515,7 @@ def evaluate(
     generate_fn: Callable[..., GenResult] = spec_generate,
     progress: bool = True,
     verify: str = "full",
+    packed: bool = True,
 ) -> EvalSummary:
     """Run spec decoding (and the AR baseline) over prompts (token id lists or [1,P] tensors).
 
@@ -521,6 +523,8 @@ def evaluate(
     sampling mode they also produce comparable (identical, when lossless) outputs.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
     `verify`: the drafter runs' verify policy (spec_generate; "full" = the published loop).
+    `packed`: float32 CPU linear layers of target and drafter run oneDNN's prepacked GEMM
+    (models/packed_linear.py; target.packed_linear), for the spec and the AR runs alike.
     """
     drafter = _unwrap(drafter)
     how = {} if verify == "full" else {"verify": verify}  # custom generate_fns need not know it
@@ -530,6 +534,7 @@ def evaluate(
     spec, ar = [], []
     with (
         _eval_mode(target.model, drafter),
+        packed_linears(target.model, target.lm_head, drafter, enabled=packed),
         showing_progress(len(prompts), desc="eval", unit="prompt", enabled=progress) as bar,
     ):
         if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out
@@ -720,6 +725,7 @@ def run_conversations(
     progress: bool = True,
     desc: str = "eval",
     verify: str = "full",
+    packed: bool = True,
 ) -> EvalSummary:
     """Answer every user turn of each conversation in order (multi-turn, like the z-lab benchmark):
     each turn is one response; the history carries the spec-decoded answers, not the file's own.
@@ -733,7 +739,11 @@ def run_conversations(
         target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
     tok = target.tokenizer
     spec, ar, gaps = [], [], []
-    with showing_progress(len(convs), desc=desc, unit="conversation", enabled=progress) as bar:
+    with (
+        # packed once for all turns: the per-prompt evaluate calls inside find them packed
+        packed_linears(target.model, target.lm_head, _unwrap(drafter), enabled=packed),
+        showing_progress(len(convs), desc=desc, unit="conversation", enabled=progress) as bar,
+    ):
         for ci, (_cid, msgs) in enumerate(convs):
             history: list[dict] = []
             for m in msgs:
@@ -755,6 +765,7 @@ def run_conversations(
                     warmup=not spec,
                     progress=False,  # one prompt per call: the bar counts conversations
                     verify=verify,
+                    packed=packed,
                 )
                 spec += s.spec_results
                 ar += s.ar_results
@@ -842,5 +853,6 @@ def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> d
                 progress=cfg.metrics.console,
                 desc=f"eval {key}",
                 verify=cfg.eval.verify,
+                packed=cfg.target.packed_linear,
             )
     return results

@@ -132,6 +132,7 @@ class PeriodicEval:
             baseline=False,
             warmup=False,
             progress=progress,
+            packed=self.cfg.target.packed_linear,
         )
         by_source = defaultdict(list)
         for x, r in zip(examples, s.spec_results):
