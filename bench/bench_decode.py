@@ -4,6 +4,10 @@
                 (`dflash_generate` of the `dflash` package) on the same exported drafter
   plain greedy  ours (`ar_generate`, the same loop with block 1) vs transformers' `generate`
 
+Kernels: ours run as the product decodes on CPU, with the linear layers on oneDNN's prepacked
+GEMM (target.packed_linear, models/packed_linear.py; --kernels=default for PyTorch's), the
+references on a copy of the target with PyTorch's default kernels, as they ship.
+
 Same prompts (held-out-style MT-Bench and HumanEval user turns, rendered by the target's chat
 template), same max_new_tokens, stop ids and threads, fp32 (the CPU eval default): tokens/s of
 each (wall time of the whole call, prefill included, so both sides pay the same), the ratios, and
@@ -23,12 +27,14 @@ cycle (the default), for both verify policies (eval.verify: full = the published
 block; adaptive = as many drafts as the drafter reached lately).
 
 Run: .venv/bin/python bench/bench_decode.py [--prompts 4] [--max-new-tokens 64]
-     [--drafter DIR] [--oracle-drafts 2] [--json OUT]
+     [--drafter DIR] [--oracle-drafts 2] [--kernels packed|default] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import tempfile
 import time
@@ -43,6 +49,7 @@ from dflash_trainer.data.chat import Rendering
 from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.eval.specdecode import ar_generate, spec_generate
 from dflash_trainer.models.export import export_drafter, load_drafter
+from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.run.build import build_drafter
 
@@ -98,6 +105,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--drafter", default="", help="an exported drafter (default: untrained)")
     ap.add_argument("--oracle-drafts", type=int, default=2)
+    ap.add_argument(
+        "--kernels",
+        choices=("packed", "default"),
+        default="packed",
+        help="our loops' linear kernels (the references always run PyTorch's default)",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     from dflash import model as ref
@@ -118,6 +131,8 @@ def main() -> None:
     block = drafter.config.block_size
     stop = list(target.eos_token_ids)
     model = target.model
+    # the references' own copy, never packed: they run as they ship
+    base = copy.deepcopy(model) if args.kernels == "packed" else model
     prompts = _prompts(target.tokenizer, args.prompts)
     n = args.max_new_tokens
 
@@ -140,7 +155,10 @@ def main() -> None:
     same = {"spec": 0, "ar": 0}
     cycles = draft_s = verify_s = 0.0
     committed = 0
-    with torch.inference_mode(), _cpu_clock(ref):
+    packing = (
+        packed_linears(model, drafter) if args.kernels == "packed" else contextlib.nullcontext()
+    )
+    with torch.inference_mode(), _cpu_clock(ref), packing:
         for i, p in enumerate(prompts):
             x = torch.tensor([p])
             # alternate which side runs first
@@ -158,7 +176,7 @@ def main() -> None:
                     r, s = _timed(
                         ref.dflash_generate,
                         ref_drafter,
-                        model,
+                        base,
                         x,
                         n,
                         stop,
@@ -170,7 +188,7 @@ def main() -> None:
                     r, s = _timed(ar_generate, model, x, n, stop_ids=stop)
                     out[k] = r.tokens
                 else:
-                    out[k], s = _timed(_hf_greedy, model, x, n, stop)
+                    out[k], s = _timed(_hf_greedy, base, x, n, stop)
                 t[k].append(s)
                 tokens[k] += len(out[k])
             same["spec"] += out["spec"] == out["ref"][: len(out["spec"])]
@@ -212,6 +230,7 @@ def main() -> None:
     cycle = sum(t["spec"]) / cycles  # prefill included: conservative
     result = {
         "machine": cpu_model(),
+        "kernels": args.kernels,
         "prompts": len(prompts),
         "max_new_tokens": n,
         "tokens_per_s": rate,
@@ -231,7 +250,8 @@ def main() -> None:
         "speedup_at_oracle": at_k,
     }
     print(
-        f"\n{result['machine']}: draft-verify ours {rate['spec']:.1f} vs reference "
+        f"\n{result['machine']}, our kernels {args.kernels}: draft-verify ours "
+        f"{rate['spec']:.1f} vs reference "
         f"{rate['ref']:.1f} tok/s ({result['spec_vs_reference']:.3f}x, identical "
         f"{result['identical_spec']}); greedy ours {rate['ar']:.1f} vs HF generate "
         f"{rate['hf']:.1f} ({result['ar_vs_hf_generate']:.3f}x, identical "
