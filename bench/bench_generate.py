@@ -5,6 +5,9 @@
                   every row stays in the batch until the longest one ends
   ours            decode_batch (data/generate.py): the same left-padded prefill, then rows
                   leave the batch as they end, so their compute is not spent on padding
+  ours packed     the same, inside packed_linears (models/packed_linear.py): oneDNN's prepacked
+                  GEMM, as `generate` runs a float32 CPU target (target.packed_linear); the
+                  packing itself (once per call) is inside the timed span
 
 Greedy, fp32, the same prompts (a seeded sample of the embedded set, mixed lengths) and
 max_new_tokens for all three; tokens counted up to and including the stop id. Prints tokens/s of
@@ -34,6 +37,7 @@ from dflash_trainer.config import load_config
 from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import decode_batch, prompt_messages
+from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 
 
@@ -97,9 +101,11 @@ def main() -> None:
     for name, fn in (
         ("hf_generate", lambda b: _hf_generate(target, b, n, pad)),
         ("ours", lambda b: decode_batch(target.model, b, n, eos, pad)),
+        ("ours_packed", lambda b: decode_batch(target.model, b, n, eos, pad)),
     ):
         t0 = time.perf_counter()
-        runs[name] = [r for i in range(0, len(rows), bsz) for r in fn(rows[i : i + bsz])]
+        with packed_linears(target.model, enabled=name == "ours_packed"):
+            runs[name] = [r for i in range(0, len(rows), bsz) for r in fn(rows[i : i + bsz])]
         times[name] = time.perf_counter() - t0
     for b in [int(x) for x in args.sweep.split(",") if x]:
         t0 = time.perf_counter()
@@ -124,6 +130,7 @@ def main() -> None:
         "tok_s": {k: round(v, 1) for k, v in rate.items()},
         "ours_vs_one_at_a_time": round(rate["ours"] / rate["one_at_a_time"], 3),
         "ours_vs_hf_generate": round(rate["ours"] / rate["hf_generate"], 3),
+        "packed_vs_ours": round(rate["ours_packed"] / rate["ours"], 3),
         "answers_differing_from_one_at_a_time": differ,
         "sweep_vs_ours": {
             k: round(v / rate["ours"], 3) for k, v in rate.items() if k.startswith("ours_batch")
@@ -133,7 +140,8 @@ def main() -> None:
         f"generation, {len(rows)} prompts x <= {n} tokens, batch {bsz}: "
         + ", ".join(f"{k} {v} tok/s" for k, v in out["tok_s"].items())
         + f"; ours/one-at-a-time {out['ours_vs_one_at_a_time']}, ours/HF generate "
-        f"{out['ours_vs_hf_generate']}; answers differing: {differ}"
+        f"{out['ours_vs_hf_generate']}, packed/ours {out['packed_vs_ours']}; "
+        f"answers differing: {differ}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -246,6 +246,13 @@ def rows_generate(s):
             s["ours_vs_hf_generate"],
             note=note,
         ),
+        _row(
+            "answer generation, embedded target",
+            "ours, packed linears (generate's CPU fp32 path)",
+            "ours, default kernels",
+            s["packed_vs_ours"],
+            note=f"{s['tok_s']['ours_packed']} vs {s['tok_s']['ours']} tok/s, packing included",
+        ),
     ]
 
 
