@@ -218,3 +218,17 @@ def test_flex_matches_dense_cuda():
     g_out = torch.autograd.grad(out.sum(), leaves2)
     for a, b in zip(g_out, g_ref):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.skipif(not A.flex_available(), reason="FlexAttention not importable")
+def test_flex_block_mask_reads_no_device_value():
+    """Built on every drafter step (a hot path): no op that would wait for the device."""
+    from test_scalars import SyncCounter
+
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.randint(0, 300, (2, 20), generator=g).sort(-1).values
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    mode = SyncCounter()
+    with mode:
+        A.flex_block_mask(anchors, valid, 16, 300, 320, 620)
+    assert mode.ops and not mode.syncs, mode.syncs

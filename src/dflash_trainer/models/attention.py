@@ -370,8 +370,8 @@ def flex_block_mask(
     seen = torch.where(live, anchors[:, blk].clamp(0, S), 0)  # visible context prefix
     ctx_any = ((seen + tile - 1) // tile).view(B, nq, tile).amax(-1)  # tiles [0, ctx_any)
     ctx_full = (seen // tile).view(B, nq, tile).amin(-1)  # tiles [0, ctx_full) are full
-    big = torch.tensor(nkv, device=dev)
-    own_lo = torch.where(live, (S + blk * bs) // tile, big).view(B, nq, tile).amin(-1)
+    # scalars, not device tensors made from Python numbers: those would be host-to-device copies
+    own_lo = torch.where(live, (S + blk * bs) // tile, nkv).view(B, nq, tile).amin(-1)
     own_hi = torch.where(live, (S + (blk + 1) * bs - 1) // tile, -1).view(B, nq, tile).amax(-1)
     c = torch.arange(nkv, device=dev)
     full = c < ctx_full[..., None]  # [B, nq, nkv]
