@@ -5,6 +5,8 @@ decode step has, that pass over the weights is the cost: on a 2-core AVX2 EPYC a
 verify pass of 16 positions took 134-150 ms against 62-77 ms for one position, and with weights
 packed once it takes 102-105 ms (4 positions: 118-137 -> 68-77 ms; 1 position: unchanged). A
 draft-verify cycle is one such pass, so this is where CPU speculative decoding gains or loses.
+Not for training-sized inputs: at 512-2400 rows MKL's own path was 5-16% faster on one thread
+(the repacking is amortised there), so the target's training forward keeps the default kernel.
 
 `packed_linears(*modules)` packs the weights of every float32 CPU `nn.Linear` inside the given
 modules once on entry (a second copy of those weights while inside) and routes their forwards
