@@ -149,20 +149,21 @@ def rows_pipeline(s):
 
 
 def rows_decode(s):
+    kernels = f"; ours on {s.get('kernels', 'default')} linear kernels"
     out = [
         _row(
             "draft-verify decode (tokens/s)",
             "ours",
             "reference dflash_generate",
             s["spec_vs_reference"],
-            note=f"identical tokens {s['identical_spec']}",
+            note=f"identical tokens {s['identical_spec']}{kernels}",
         ),
         _row(
             "greedy decode (tokens/s)",
             "ours",
             "HF generate",
             s["ar_vs_hf_generate"],
-            note=f"identical tokens {s['identical_ar']}",
+            note=f"identical tokens {s['identical_ar']}{kernels}",
         ),
         _row(
             "draft-verify cycle",
