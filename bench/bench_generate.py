@@ -6,8 +6,8 @@
   ours            decode_batch (data/generate.py): the same left-padded prefill, then rows
                   leave the batch as they end, so their compute is not spent on padding
   ours packed     the same, inside packed_linears (models/packed_linear.py): oneDNN's prepacked
-                  GEMM, as `generate` runs a float32 CPU target (target.packed_linear); the
-                  packing itself (once per call) is inside the timed span
+                  GEMM, which speculative decoding uses on CPU; the packing itself (once per
+                  call) is inside the timed span. The row says whether `generate` should too
 
 Greedy, fp32, the same prompts (a seeded sample of the embedded set, mixed lengths) and
 max_new_tokens for all three; tokens counted up to and including the stop id. Prints tokens/s of

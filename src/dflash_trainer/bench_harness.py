@@ -249,7 +249,7 @@ def rows_generate(s):
         ),
         _row(
             "answer generation, embedded target",
-            "ours, packed linears (generate's CPU fp32 path)",
+            "ours, packed linears (the decode loops' CPU fp32 path)",
             "ours, default kernels",
             s["packed_vs_ours"],
             note=f"{s['tok_s']['ours_packed']} vs {s['tok_s']['ours']} tok/s, packing included",

@@ -33,7 +33,6 @@ def run(cfg: Config, args) -> int:
         rendering=rendering,
         seed=cfg.pipeline.seed,
         progress=cfg.metrics.console,
-        packed=cfg.target.packed_linear,
     )
     print_summary(stats)
     return 0

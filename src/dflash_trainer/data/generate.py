@@ -28,7 +28,6 @@ from dflash_trainer.data.chat import Rendering, render_text
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.embedded import cache_root
-from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.precision import dtype_name
 from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache
 from dflash_trainer.observe.progress import showing_progress
@@ -285,7 +284,6 @@ def generate_responses(
     rendering: Rendering | None = None,
     seed: int = 0,
     progress: bool = True,
-    packed: bool = True,
 ) -> dict:
     """Append one record per not-yet-done prompt to `out_path`. Returns counts and tokens/s.
 
@@ -294,8 +292,6 @@ def generate_responses(
     `Rendering()`, chat). Greedy when temperature == 0, else sampled with temperature/top_p.
     Batches are left padded; prompts are sorted by length so a batch wastes little padding.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
-    `packed`: a float32 CPU target's linear layers run oneDNN's prepacked GEMM
-    (models/packed_linear.py; target.packed_linear).
     """
     rendering = rendering or Rendering()
     if max_new_tokens < 1 or batch_size < 1:
@@ -330,16 +326,9 @@ def generate_responses(
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
     t0 = time.perf_counter()
-    with (
-        packed_linears(target.model, enabled=packed),
-        showing_progress(
-            len(todo) + len(done),
-            initial=len(done),
-            desc="generate",
-            unit="prompt",
-            enabled=progress,
-        ) as bar,
-    ):
+    with showing_progress(
+        len(todo) + len(done), initial=len(done), desc="generate", unit="prompt", enabled=progress
+    ) as bar:
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
             records, new_tokens = _generate_batch(
@@ -429,7 +418,6 @@ def ensure_embedded_responses(cfg, target=None) -> Path:
         top_p=EMBEDDED_GEN["top_p"],
         rendering=Rendering.from_config(cfg),
         seed=cfg.pipeline.seed,
-        packed=cfg.target.packed_linear,
         progress=cfg.metrics.console,
     )
     print_summary(stats)
