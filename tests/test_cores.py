@@ -12,11 +12,20 @@ from dflash_trainer.pipeline.cores import CoreShare, rebalanced
 from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
 
 
-def _simulate(target_s: float, drafter_s: float, n: int = 24, capacity: int = 2):
-    """One target thread and one drafter thread (1 core each of 2) with sleeps for work; returns
-    (share, the most cores ever claimed at once, items the drafter got)."""
+def _simulate(
+    target_s: float,
+    drafter_s: float,
+    n: int = 24,
+    capacity: int = 2,
+    scaled: bool = False,
+    **share_kw,
+):
+    """One target thread and one drafter thread with sleeps for work (`scaled`: seconds / the
+    threads a step runs with, linear scaling; else the same whatever they are), each asking the
+    CoreShare for its team size and reporting its step; returns (share, the most cores ever
+    claimed at once, items the drafter got). Default share: 1 core each of 2."""
     q = BoundedQueue("hidden", capacity, 0.01)
-    share = CoreShare(q, own=1, all_threads=2)
+    share = CoreShare(q, **{"own": 1, "all_threads": 2, **share_kw})
     stop = threading.Event()
     lock = threading.Lock()
     claimed = [0, 0]  # now, max
@@ -26,12 +35,17 @@ def _simulate(target_s: float, drafter_s: float, n: int = 24, capacity: int = 2)
             claimed[0] += k
             claimed[1] = max(claimed[1], claimed[0])
 
+    def work(stage: str, seconds: float, k: int):
+        claim(k)
+        t0 = time.perf_counter_ns()
+        time.sleep(seconds / k if scaled else seconds)
+        share.record(stage, time.perf_counter_ns() - t0, k)
+        claim(-k)
+
     def target():
         for i in range(n):
             share.park_while_ahead(stop, 0.01)
-            claim(1)
-            time.sleep(target_s)
-            claim(-1)
+            work("target", target_s, share.target_threads())
             q.put(i, stop)
 
     got = []
@@ -39,10 +53,7 @@ def _simulate(target_s: float, drafter_s: float, n: int = 24, capacity: int = 2)
     def drafter():
         while len(got) < n:
             got.append(q.get(stop))
-            k = share.drafter_threads(from_cache=False)
-            claim(k)
-            time.sleep(drafter_s)
-            claim(-k)
+            work("drafter", drafter_s, share.drafter_threads(from_cache=False))
 
     threads = [threading.Thread(target=target), threading.Thread(target=drafter)]
     for t in threads:
@@ -159,47 +170,12 @@ def test_adaptive_split_moves_threads_to_the_slow_drafter_and_never_oversubscrib
     """Threads with sleeps for work (w / threads: linear scaling) on 4 fake cores, starting
     2 : 2 with a drafter 3x the target's work: the split moves to 1 : 3 and no more cores than 4
     are claimed at any moment, moves included."""
-    q = BoundedQueue("hidden", 2, 0.01)
-    share = CoreShare(q, own=2, all_threads=4, park=False, adapt=True, window_s=0.05)
-    stop, lock = threading.Event(), threading.Lock()
-    claimed = [0, 0]
-    n, w_t, w_d = 60, 0.006, 0.018
-
-    def claim(k):
-        with lock:
-            claimed[0] += k
-            claimed[1] = max(claimed[1], claimed[0])
-
-    def target():
-        for i in range(n):
-            k = share.target_threads()
-            claim(k)
-            t0 = time.perf_counter_ns()
-            time.sleep(w_t / k)
-            share.record("target", time.perf_counter_ns() - t0, k)
-            claim(-k)
-            q.put(i, stop)
-
-    got = []
-
-    def drafter():
-        while len(got) < n:
-            got.append(q.get(stop))
-            k = share.drafter_threads(from_cache=False)
-            claim(k)
-            t0 = time.perf_counter_ns()
-            time.sleep(w_d / k)
-            share.record("drafter", time.perf_counter_ns() - t0, k)
-            claim(-k)
-
-    threads = [threading.Thread(target=target), threading.Thread(target=drafter)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a stage starved or deadlocked"
+    n = 60
+    share, most, got = _simulate(
+        0.006, 0.018, n, scaled=True, own=2, all_threads=4, park=False, adapt=True, window_s=0.05
+    )
     assert got == list(range(n))
-    assert claimed[1] <= 4, f"{claimed[1]} cores claimed at once on 4"
+    assert most <= 4, f"{most} cores claimed at once on 4"
     assert (share.target_alloc, share.own) == (1, 3), share.summary()
     assert share.moves == 1 and "adaptive: from 2 : 2, 1 moves" in share.summary()
 
