@@ -65,9 +65,10 @@ class TargetStep:
     def check(self) -> float:
         """The target's tap integrity check through this step's own capture path (the cached
         4-D causal mask included). Startup only."""
-        mask = self._causal_mask(32)
+        n = 32  # the check's sequence length: the mask must be this length's
+        mask = self._causal_mask(n)
         return self.target.check_taps(
-            lambda ids: self.target.features(ids, mask), seq_len=32, attention_mask=mask
+            lambda ids: self.target.features(ids, mask), seq_len=n, attention_mask=mask
         )
 
     def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
