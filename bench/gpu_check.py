@@ -242,10 +242,10 @@ def main():
     shutil.rmtree(keep, ignore_errors=True)
     seq = rep.phase("sequential", lambda: run(target, ds, "sequential", n, args)[0])
     pipe = rep.phase("pipelined", lambda: run(target, ds, "pipelined", n, args, keep_dir=keep)[0])
-    off = rep.phase(
-        "pipelined_observe_off", lambda: run(target, ds, "pipelined", n, args, observe=False)[0]
-    )
-    pipe2 = rep.phase("pipelined_again", lambda: run(target, ds, "pipelined", n, args)[0])
+    for o in outs[1:]:
+        jl = keep / "metrics.jsonl"
+        if jl.exists():
+            shutil.copy(jl, o / "gpu_pipelined_metrics.jsonl")
     if args.device.startswith("cuda"):
         sync = rep.phase(
             "sync_check",
@@ -255,10 +255,10 @@ def main():
         )
     else:
         sync = None
-    for o in outs[1:]:
-        jl = keep / "metrics.jsonl"
-        if jl.exists():
-            shutil.copy(jl, o / "gpu_pipelined_metrics.jsonl")
+    off = rep.phase(
+        "pipelined_observe_off", lambda: run(target, ds, "pipelined", n, args, observe=False)[0]
+    )
+    pipe2 = rep.phase("pipelined_again", lambda: run(target, ds, "pipelined", n, args)[0])
 
     def get(row, key, default=float("nan")):
         return row.get(key, default) if row else default

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-timeout 480 "$PY" bench/gpu_check.py "$@"
+timeout ${GPU_CHECK_TIMEOUT_S:-480} "$PY" bench/gpu_check.py "$@"

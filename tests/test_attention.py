@@ -209,10 +209,33 @@ def test_flex_compiled_forward_matches_dense_cpu():
 )
 def test_flex_matches_dense_cuda():
     q, k, v, anchors, valid = (t.cuda() for t in _inputs(N=6, S=13, d=16))
+    _check_flex_against_dense(q, k, v, anchors, valid, BS)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not A.flex_available(),
+    reason="compiled FlexAttention needs CUDA",
+)
+def test_flex_matches_dense_cuda_multi_tile():
+    """Several 128-tiles, so the structural BlockMask's skipped, full and partial tiles all
+    decide what the compiled kernel reads, forward and backward."""
+    g = torch.Generator().manual_seed(1)
+    B, hq, hkv, N, bs, S, d = 2, 4, 2, 24, 16, 200, 16
+    q = torch.randn(B, hq, N * bs, d, generator=g)
+    k = torch.randn(B, hkv, S + N * bs, d, generator=g)
+    v = torch.randn(B, hkv, S + N * bs, d, generator=g)
+    anchors = torch.randint(0, S, (B, N), generator=g).sort(-1).values
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, 17:] = False
+    q, k, v, anchors, valid = (t.cuda() for t in (q, k, v, anchors, valid))
+    _check_flex_against_dense(q, k, v, anchors, valid, bs)
+
+
+def _check_flex_against_dense(q, k, v, anchors, valid, bs):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     leaves2 = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = A.dense_attention(*leaves, anchors, valid, BS)
-    out = A.flex_block_attention(*leaves2, anchors, valid, BS)
+    ref = A.dense_attention(*leaves, anchors, valid, bs)
+    out = A.flex_block_attention(*leaves2, anchors, valid, bs)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
     g_ref = torch.autograd.grad(ref.sum(), leaves)
     g_out = torch.autograd.grad(out.sum(), leaves2)
