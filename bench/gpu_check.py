@@ -175,6 +175,21 @@ def matmul_tflops(device: str) -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t0) / 1e12
 
 
+def window_means(jsonl: Path) -> dict[str, float]:
+    """Mean of each metric over the run's full log windows: the last one (the drain, stages
+    idling) is left out, so the rows describe the steady state, not the final snapshot."""
+    if not jsonl.exists():
+        return {}
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("kind") == "metrics"][:-1]
+    sums: dict[str, list[float]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if isinstance(v, (int, float)):
+                sums.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in sums.items()}
+
+
 class Report:
     """Phase results, written after every phase (to bench/out and $OUT when set)."""
 
@@ -263,16 +278,19 @@ def main():
     def get(row, key, default=float("nan")):
         return row.get(key, default) if row else default
 
-    m = get(pipe, "metrics", {})
+    m = window_means(keep / "metrics.jsonl")
     pipes = [r["tok_s"] for r in (pipe, pipe2) if r]
     table = [
         ("device", rep.data["env"]["device"]),
         ("bf16 matmul 8192^3 TFLOP/s (measured)", get(rep.data["phases"], "matmul_bf16_tflops")),
         ("device peak TFLOP/s used for MFU", rep.data["peak_tflops_table"]),
-        ("target tokens/s (pipelined)", m.get("tput/target_tok_s", float("nan"))),
-        ("target MFU % (pipelined)", m.get("tput/mfu_target", float("nan"))),
-        ("drafter tokens/s (pipelined)", m.get("tput/drafter_tok_s", float("nan"))),
-        ("drafter MFU % (pipelined)", m.get("tput/mfu_drafter", float("nan"))),
+        ("target tokens/s (pipelined, window mean)", m.get("tput/target_tok_s", float("nan"))),
+        ("target MFU % (pipelined, window mean)", m.get("tput/mfu_target", float("nan"))),
+        ("drafter tokens/s (pipelined, window mean)", m.get("tput/drafter_tok_s", float("nan"))),
+        ("drafter MFU % (pipelined, window mean)", m.get("tput/mfu_drafter", float("nan"))),
+        ("target busy (pipelined, window mean)", m.get("worker/target0/busy_frac", float("nan"))),
+        ("drafter busy (pipelined, window mean)", m.get("worker/drafter0/busy_frac", float("nan"))),
+        ("GPU util % (NVML, window mean)", m.get("gpu/0/util", float("nan"))),
         ("pipelined tokens/s", get(pipe, "tok_s")),
         ("sequential tokens/s", get(seq, "tok_s")),
         ("pipelined / sequential", get(pipe, "tok_s") / get(seq, "tok_s")),

@@ -188,6 +188,41 @@ def test_window_metrics_exact():
     assert m2["prof/monitor/log_ms"] > 0.0
 
 
+def test_busy_counts_a_step_in_every_window_it_spans():
+    """A 3.5 s step in 2 s windows: busy 0.5 of the window it starts in, 1.0, then 0.25 of the
+    one it ends in; never the whole step in the window it ends in (1.2 s GPU steps read busy
+    1.3 then 0.6 that way)."""
+    clock = Clock()
+    mon, target, drafter, q, ring, sink = build(clock, step_clock_ns=lambda: int(clock.t * 1e9))
+    mon.cfg.log_every_s = 2.0
+    start = int((clock.t + 1.0) * 1e9)  # begins 1 s into the first window
+    drafter.begin_busy(start)
+    clock.t += 2.0
+    mon.tick()
+    busy = [sink.logs[-1][1]["worker/drafter0/busy_frac"]]
+    clock.t += 2.0
+    mon.tick()
+    busy.append(sink.logs[-1][1]["worker/drafter0/busy_frac"])
+    assert drafter.end_busy(start + int(3.5e9)) == int(3.5e9) and drafter.busy_ns == int(3.5e9)
+    clock.t += 2.0
+    mon.tick()
+    busy.append(sink.logs[-1][1]["worker/drafter0/busy_frac"])
+    assert busy == pytest.approx([0.5, 1.0, 0.25])  # nothing lost, nothing counted twice
+
+
+def test_busy_mark_is_one_consistent_pair():
+    c = WorkerCounters("t", "target")
+    assert c.busy_ns_at(10**12) == 0
+    c.begin_busy(100)
+    assert c.busy_ns_at(150) == 50 and c.busy_ns == 0
+    assert c.end_busy(200) == 100 and c.busy_ns_at(10**12) == 100
+    c.begin_busy(300)
+    assert c.busy_ns_at(350) == 150
+    c.busy_ns = 7  # a counter set directly (no step running) reads as itself
+    c.busy_mark = (0, 0)
+    assert c.busy_ns_at(10**12) == 7
+
+
 def test_no_log_before_interval_and_latest_fresh():
     clock = Clock()
     mon, target, drafter, q, ring, sink = build(clock)

@@ -34,7 +34,11 @@ class WorkerCounters:
     padded_tokens: int = 0  # rows x padded length finished
     query_tokens: int = 0  # drafter: block query tokens trained (rows x anchors x block_size)
     errors: int = 0
-    busy_ns: int = 0  # host time spent in the step body
+    busy_ns: int = 0  # host time spent in finished step bodies
+    # (busy_ns when the current step began, its perf_counter_ns start; 0 = between steps): one
+    # attribute, so the monitor reads a consistent pair and counts a step that spans its log
+    # windows in each window it covers (a 1.2 s step in 2 s windows read busy 1.3 then 0.6).
+    busy_mark: tuple[int, int] = (0, 0)
     wait_in_ns: int = 0  # host time blocked on the input queue
     wait_out_ns: int = 0  # host time blocked on the output queue
     last_progress: float = field(default_factory=time.monotonic)  # heartbeat (monotonic s)
@@ -50,6 +54,22 @@ class WorkerCounters:
 
     def beat(self) -> None:
         self.last_progress = time.monotonic()
+
+    def begin_busy(self, t0_ns: int) -> None:
+        """A step body starts at `t0_ns` (time.perf_counter_ns)."""
+        self.busy_mark = (self.busy_ns, t0_ns)
+
+    def end_busy(self, t1_ns: int) -> int:
+        """The step body begun by `begin_busy` ends at `t1_ns`; returns its duration (ns)."""
+        ns = t1_ns - self.busy_mark[1]
+        self.busy_ns += ns
+        self.busy_mark = (self.busy_ns, 0)
+        return ns
+
+    def busy_ns_at(self, now_ns: int) -> int:
+        """Busy time up to `now_ns` (perf_counter_ns), the running step's part included."""
+        done, since = self.busy_mark
+        return done + (now_ns - since) if since else self.busy_ns
 
     def add_phase(self, phase: str, ns: int) -> None:
         self.phase_ns[phase] = self.phase_ns.get(phase, 0) + ns

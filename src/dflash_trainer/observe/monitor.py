@@ -70,6 +70,7 @@ class Monitor:
         nvml: Any = None,
         allocator: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        step_clock_ns: Callable[[], int] = time.perf_counter_ns,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -81,6 +82,7 @@ class Monitor:
         self.flops = flops
         self.rank = rank
         self._clock = clock
+        self._step_clock_ns = step_clock_ns  # the workers' clock for begin_busy/end_busy
         # Only rank 0 writes (one W&B run, one metrics.jsonl); other ranks still compute latest()
         # and the stall detector.
         if sinks is None:
@@ -185,6 +187,7 @@ class Monitor:
         deltas = {}
         for w in self.workers:
             cur = _snap(w, _WORKER_FIELDS)
+            cur["busy_ns"] = w.busy_ns_at(self._step_clock_ns())  # the running step's part too
             prev = self._w_prev[w.name]
             d = {f: cur[f] - prev[f] for f in _WORKER_FIELDS}
             self._w_prev[w.name] = cur

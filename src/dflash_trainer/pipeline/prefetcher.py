@@ -124,14 +124,14 @@ class BatchPrefetcher(Stage):
             first = start_seq if epoch == start_epoch else 0
             for seq_no in range(first, len(plan.batches)):
                 self.check_fault("prefetch", c.steps)
-                t0 = time.perf_counter_ns()
+                c.begin_busy(time.perf_counter_ns())
                 idx = plan.batches[seq_no]
                 batch = build_batch(self.dataset, idx, self.cfg.pad_multiple, self.pad_id)
                 if self.pin_memory:
                     batch = batch.pin_memory()
                 item = WorkItem(seq_no, epoch, batch)
                 t1 = time.perf_counter_ns()
-                c.busy_ns += t1 - t0
+                c.end_busy(t1)
                 self.work_q.put(item, self.stop)
                 c.wait_out_ns += time.perf_counter_ns() - t1
                 self._count(plan.buckets[seq_no], batch, idx)

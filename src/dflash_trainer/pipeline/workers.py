@@ -65,12 +65,11 @@ class TargetWorker(Stage):
                 if team != self.team:
                     torch.set_num_threads(team)
                     self.team = c.gauges["threads"] = team
-            t1 = time.perf_counter_ns()
+            c.begin_busy(time.perf_counter_ns())
             # (the lock: the eval loop borrows the target between steps)
             with self.lock, self.guard("target", item.batch.input_ids.shape, c.steps):
                 hb = self.step_fn(item, c)
-            busy = time.perf_counter_ns() - t1
-            c.busy_ns += busy
+            busy = c.end_busy(time.perf_counter_ns())
             if self.cores is not None:
                 self.cores.record("target", busy, self.team)
             t2 = time.perf_counter_ns()
@@ -129,9 +128,9 @@ class StepLoop:
             self.state.consumed_samples = []
         if self.budget is not None:
             self.budget.start()
-        t0 = time.perf_counter_ns()
+        counters.begin_busy(time.perf_counter_ns())
         stepped = self.step_fn(hb, self.state.step, counters)
-        counters.busy_ns += time.perf_counter_ns() - t0
+        counters.end_busy(time.perf_counter_ns())
         self.state.consumed.append(hb.seq_no)
         self.state.micro_step += 1
         self.state.tokens += hb.num_real_tokens
