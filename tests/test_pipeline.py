@@ -8,6 +8,7 @@ import torch
 
 from dflash_trainer.pipeline.runtime import StageError
 from dflash_trainer.run import train
+from dflash_trainer.run.trainer import SteadyRate
 from tiny import tiny_config, tiny_dataset, tiny_target
 
 
@@ -166,6 +167,7 @@ def test_periodic_eval_keeps_the_best_drafter(tmp_path):
     res = train(cfg, target=tiny_target(), train_set=train_set, heldout=heldout)
     # the training rate's time excludes start-up, the final checkpoint, evaluation and export
     assert 0 < res.train_s < res.wall_s
+    assert res.steady_tok_s > 0
     rows = [json.loads(l) for l in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     taus = [r for r in rows if any("eval/tau" in str(k) for k in r)]
     assert len(taus) >= 2
@@ -174,6 +176,16 @@ def test_periodic_eval_keeps_the_best_drafter(tmp_path):
     from dflash_trainer.models.export import load_drafter
 
     load_drafter(res.run_dir / "best", "cpu")
+
+
+def test_steady_rate_counts_from_the_first_step_to_the_last():
+    r = SteadyRate()
+    assert r.rate() == 0.0
+    r.mark(10.0, 100)  # the first step's tokens and the time before it (pipeline fill) are out
+    assert r.rate() == 0.0
+    r.mark(11.0, 150)
+    r.mark(12.0, 300)
+    assert r.rate() == 100.0
 
 
 @pytest.mark.parametrize("stage", ["target", "drafter"])

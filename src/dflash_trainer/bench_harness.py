@@ -117,14 +117,20 @@ def rows_pipeline(s):
         ("pipelined_vs_fixed_split", "shared cores", "fixed 50/50 split"),
         ("drafter_bound_shared_vs_fixed", "shared cores, drafter-bound", "fixed split"),
         ("pipelined_vs_sequential", "pipelined", "sequential"),
+        (
+            "pipelined_vs_sequential_fill_and_drain_in",
+            "pipelined, fill and drain in",
+            "sequential",
+        ),
         ("pipelined_vs_colocated", "pipelined", "plain colocated loop"),
         ("observability_on_vs_off", "observability on", "off"),
     ):
         v = s.get(key)
         if v is not None:  # results of an older bench_pipeline lack the newer rows
-            out.append(
-                _row("training throughput (tokens/s)", a, b, v["median"], v["min"], v["max"])
-            )
+            work = "training throughput (tokens/s)"
+            if key != "pipelined_vs_sequential_fill_and_drain_in":
+                work = "training throughput (steady tokens/s)"
+            out.append(_row(work, a, b, v["median"], v["min"], v["max"]))
     if "process_cpu_over_wall" in s:
         out.append(
             _row(
