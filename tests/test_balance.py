@@ -70,8 +70,12 @@ def test_train_reports_the_balance(tmp_path, monkeypatch):
 
     monkeypatch.setattr(T, "assess_balance", functools.partial(assess, min_busy_s=0.0))
     cfg = tiny_config(tmp_path, **{"optim.epochs": 2})
-    res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
+    target = tiny_target()
+    res = train(cfg, target=target, train_set=tiny_dataset())
     assert res.balance.startswith("pipeline ") and "one drafter can absorb" in res.balance
+    # the target's decoder layers asked for their team (borrowing), and the hooks are gone
+    assert re.search(r"the target on \d+% of its layers", res.balance), res.balance
+    assert not any(layer._forward_pre_hooks for layer in target.layers)
     events = [
         json.loads(l)
         for l in (res.run_dir / "metrics.jsonl").read_text().splitlines()

@@ -18,12 +18,15 @@ def _simulate(
     n: int = 24,
     capacity: int = 2,
     scaled: bool = False,
+    layers: int = 1,
     **share_kw,
 ):
     """One target thread and one drafter thread with sleeps for work (`scaled`: seconds / the
     threads a step runs with, linear scaling; else the same whatever they are), each asking the
     CoreShare for its team size and reporting its step; returns (share, the most cores ever
-    claimed at once, items the drafter got). Default share: 1 core each of 2."""
+    claimed at once, items the drafter got). Default share: 1 core each of 2. `layers` > 1:
+    the target's step runs in that many parts, each asking `target_layer_threads` (the decoder
+    layers' pre-hook)."""
     q = BoundedQueue("hidden", capacity, 0.01)
     share = CoreShare(q, **{"own": 1, "all_threads": 2, **share_kw})
     stop = threading.Event()
@@ -45,7 +48,11 @@ def _simulate(
     def target():
         for i in range(n):
             share.park_while_ahead(stop, 0.01)
-            work("target", target_s, share.target_threads())
+            k = share.target_threads()
+            if layers == 1:
+                work("target", target_s, k)
+            for _ in range(layers if layers > 1 else 0):
+                work("target", target_s / layers, share.target_layer_threads())
             q.put(i, stop)
 
     got = []
@@ -77,6 +84,33 @@ def test_slow_target_is_never_parked_and_nothing_is_borrowed():
     assert got == list(range(24))
     assert most <= 2
     assert share.borrowed_steps == 0, share.summary()
+
+
+def test_slow_target_borrows_the_waiting_drafters_core_between_layers():
+    share, most, got = _simulate(target_s=0.012, drafter_s=0.003, scaled=True, layers=6)
+    assert got == list(range(24))
+    # the drafter waits most of the time: the target runs many layers on both cores
+    assert share.borrowed_layers >= share.layers // 3, share.summary()
+    assert "of its layers" in share.summary()
+    # a drafter that takes a batch starts on its own core while the target finishes its layer:
+    # that one overlap is the most ever claimed
+    assert most <= 3, f"{most} cores claimed at once on 2"
+
+
+def test_target_layer_threads_follow_the_drafter():
+    q = BoundedQueue("hidden", 2, 0.01)
+    share = CoreShare(q, own=1, all_threads=2)
+    assert share.target_threads() == 1
+    assert share.target_layer_threads() == 1  # the drafter holds its core (start-up)
+    assert share.drafter_threads(False) == 1
+    share.record("drafter", 10**6, 1)  # its step ended: it waits for a batch
+    assert share.target_layer_threads() == 2
+    assert share.drafter_threads(False) == 1  # a batch: the drafter starts on its own core
+    assert share.target_layer_threads() == 1  # and the target's next layer gives it back
+    several = CoreShare(q, own=1, all_threads=2, park=False)  # several target workers
+    several.target_threads()
+    several.record("drafter", 10**6, 1)
+    assert several.target_layer_threads() == 1
 
 
 def test_park_hysteresis_and_stop():
@@ -192,8 +226,9 @@ def test_a_moved_thread_is_taken_only_after_the_giver_let_go():
     assert share.target_threads() == 1  # its next step lets go of one
     assert share.drafter_threads(False) == 3  # then the drafter takes it
     share.record("target", 9 * 10**9, 1)
+    assert share.drafter_threads(False) == 3  # its next step, before the next window ends
     share.record("drafter", 10**9, 3)  # now the target is the slow stage: one moves back
     assert (share.target_alloc, share.own) == (2, 2)
-    assert share.target_threads() == 1  # the drafter's step still runs on 3
-    assert share.drafter_threads(False) == 2
+    # the drafter's step has ended (record): it holds no core until its next batch
     assert share.target_threads() == 2
+    assert share.drafter_threads(False) == 2

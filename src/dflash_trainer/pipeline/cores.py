@@ -14,6 +14,11 @@ other integer split of 2), so the stages time-share instead:
   parked and the queue still holds a batch. The queue only shrinks when the drafter takes a batch,
   so the target cannot resume during that step: no core is ever claimed twice.
 - Batches served from the feature cache leave the target idle too (pipeline/feature_cache.py).
+- The other way round: while the drafter waits for a batch (the target is the slower stage), the
+  target borrows its cores *between decoder layers* (`target_layer_threads`, from a pre-hook on
+  each layer: a forward is one long step, so a per-step choice would come too late or hold the
+  cores too long). Once the drafter takes a batch, the target's next layer gives them back; the
+  drafter starts on its own share, so at most one layer runs with both teams on a core.
 
 With 3 or more cores there are other integer splits, and the split itself follows the
 bottleneck (`adapt`), in both directions:
@@ -84,11 +89,14 @@ class CoreShare:
         self._parked = threading.Event()
         # the threads each stage runs its current step with (each written by its own thread)
         self._running = {"target": self.start_split[0], "drafter": self.start_split[1]}
+        self._step_team = self.start_split[0]  # the target's team for its current forward
         self._work = {"target": 0.0, "drafter": 0.0}  # thread-seconds in this window
         self._window_t0 = time.perf_counter_ns()
         self.moves = 0
         self.borrowed_steps = 0  # drafter steps run with every core (drafter thread only)
         self.steps = 0
+        self.borrowed_layers = 0  # target decoder layers run with every core (target thread)
+        self.layers = 0
 
     @property
     def own(self) -> int:
@@ -120,6 +128,18 @@ class CoreShare:
     def target_threads(self) -> int:
         """Target worker, before a forward (after parking): its OpenMP team size for it."""
         n = max(1, min(self.target_alloc, self.all_threads - self._running["drafter"]))
+        self._running["target"] = self._step_team = n
+        return n
+
+    def target_layer_threads(self) -> int:
+        """Target worker, before each decoder layer: every core while the drafter waits for a
+        batch, its step's team (`target_threads`) otherwise."""
+        self.layers += 1
+        if self.park and self._running["drafter"] == 0:
+            self.borrowed_layers += 1
+            n = self.all_threads
+        else:
+            n = self._step_team
         self._running["target"] = n
         return n
 
@@ -138,6 +158,8 @@ class CoreShare:
         """A step's work (elapsed x threads), from the stage's own thread. The drafter's call
         also rebalances the split once a window has passed."""
         self._work[stage] += elapsed_ns * 1e-9 * threads
+        if stage == "drafter":
+            self._running["drafter"] = 0  # waiting for its next batch: the target may borrow
         if stage != "drafter" or not self.adapt:
             return
         now = time.perf_counter_ns()
@@ -158,7 +180,11 @@ class CoreShare:
         if self.adapt:
             t0, d0 = self.start_split
             split += f" (adaptive: from {t0} : {d0}, {self.moves} moves)"
-        return (
+        text = (
             f"CPU threads: {split}; the drafter ran with all {self.all_threads} on {share:.0%} "
             "of its steps (target parked ahead or batch from the feature cache)"
         )
+        if self.layers:
+            lent = self.borrowed_layers / self.layers
+            text += f", the target on {lent:.0%} of its layers (drafter waiting for a batch)"
+        return text

@@ -43,8 +43,10 @@ class TargetWorker(Stage):
     ):
         super().__init__(name, events=events, stop=stop, threads=threads, faults=faults)
         self.step_fn, self.work_q, self.hs_q, self.lock = step_fn, work_q, hs_q, lock
-        self.cores = cores  # CPU: pipeline.cores.CoreShare (parking, the adaptive split)
+        self.cores = cores  # CPU: pipeline.cores.CoreShare (parking, borrowing, the split)
         self.team = threads  # this thread's OpenMP team size now
+        self._thread_ns, self._team_since = 0, 0  # the current step's thread-ns (set_team)
+        self._ident = None  # this worker's thread, for the decoder-layer hooks
 
     def on_end(self, item: End) -> None:
         self.work_q.put_nowait(item)  # siblings must see it too
@@ -53,7 +55,33 @@ class TargetWorker(Stage):
     def on_epoch_end(self, item: EpochEnd) -> None:
         self.hs_q.put(item, self.stop)
 
+    def set_team(self, team: int) -> None:
+        """This thread's OpenMP team size (between steps, or between decoder layers)."""
+        if team != self.team:
+            now = time.perf_counter_ns()
+            self._thread_ns += (now - self._team_since) * self.team
+            self._team_since = now
+            torch.set_num_threads(team)
+            self.team = self.counters.gauges["threads"] = team
+
+    def _layer_hook(self, _module, _args):
+        # the eval loop runs the same layers from its own thread: only this worker's forward
+        if threading.get_ident() == self._ident:
+            self.set_team(self.cores.target_layer_threads())
+
     def loop(self) -> None:
+        hooks = []
+        layers = getattr(getattr(self.step_fn, "target", None), "layers", None)
+        if self.cores is not None and layers is not None:  # pipeline/cores.py: borrowing
+            self._ident = threading.get_ident()
+            hooks = [layer.register_forward_pre_hook(self._layer_hook) for layer in layers]
+        try:
+            self._loop()
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _loop(self) -> None:
         c = self.counters
         for item in self.items(self.work_q):
             assert isinstance(item, WorkItem), type(item)
@@ -61,17 +89,19 @@ class TargetWorker(Stage):
                 parked = self.cores.park_while_ahead(self.stop, self.hs_q.poll_s)
                 c.wait_out_ns += parked  # waiting on the drafter, like a blocked put
                 c.add_phase("parked", parked)
-                team = self.cores.target_threads()
-                if team != self.team:
-                    torch.set_num_threads(team)
-                    self.team = c.gauges["threads"] = team
-            c.begin_busy(time.perf_counter_ns())
+                self.set_team(self.cores.target_threads())
+            t1 = time.perf_counter_ns()
+            self._thread_ns, self._team_since = 0, t1
+            c.begin_busy(t1)
             # (the lock: the eval loop borrows the target between steps)
             with self.lock, self.guard("target", item.batch.input_ids.shape, c.steps):
                 hb = self.step_fn(item, c)
-            busy = c.end_busy(time.perf_counter_ns())
-            if self.cores is not None:
-                self.cores.record("target", busy, self.team)
+            t2 = time.perf_counter_ns()
+            c.end_busy(t2)
+            if self.cores is not None:  # thread-seconds, borrowed cores included
+                self.cores.record(
+                    "target", self._thread_ns + (t2 - self._team_since) * self.team, 1
+                )
             t2 = time.perf_counter_ns()
             self.hs_q.put(hb, self.stop)
             c.wait_out_ns += time.perf_counter_ns() - t2
