@@ -85,9 +85,9 @@ def run(cfg: Config, args) -> int:
         logging.getLogger().removeHandler(handler)
     if rank != 0:
         return 0
-    rate = f", {result.steady_tok_s:.0f} tokens/s" if result.steady_tok_s else ""
+    rate = f" at {result.steady_tok_s:.0f} tokens/s" if result.steady_tok_s else ""
     print(
-        f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.reason}{rate}); "
+        f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.reason}){rate}; "
         f"export: {result.export_dir}; checkpoint: {result.checkpoint}"
     )
     if result.balance:
