@@ -182,6 +182,20 @@ def test_flex_block_mask_tiles_match_the_dense_mask(bs, N, S, tile, seed):
         assert torch.equal(full[..., :ctx_tiles], want_full[..., :ctx_tiles])
 
 
+def _multi_tile_inputs(seed: int):
+    """q, k, v, anchors, valid, block size at a shape of several 128-tiles (GQA, a row with
+    padding blocks): skipped, full and partial tiles all occur."""
+    g = torch.Generator().manual_seed(seed)
+    B, hq, hkv, N, bs, S, d = 2, 4, 2, 24, 16, 200, 16
+    q = torch.randn(B, hq, N * bs, d, generator=g)
+    k = torch.randn(B, hkv, S + N * bs, d, generator=g)
+    v = torch.randn(B, hkv, S + N * bs, d, generator=g)
+    anchors = torch.randint(0, S, (B, N), generator=g).sort(-1).values
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, 17:] = False
+    return q, k, v, anchors, valid, bs
+
+
 @pytest.mark.skipif(
     not A.flex_available() or shutil.which("g++") is None,
     reason="compiled FlexAttention on CPU needs inductor's C++ compiler",
@@ -190,14 +204,7 @@ def test_flex_compiled_forward_matches_dense_cpu():
     """The compiled flex kernel (inductor, CPU: forward only) with our structural BlockMask, GQA
     included, against dense, at a shape of several 128-tiles so that skipped, full and partial
     tiles all occur (eager flex ignores the block structure; the compiled kernel obeys it)."""
-    g = torch.Generator().manual_seed(0)
-    B, hq, hkv, N, bs, S, d = 2, 4, 2, 24, 16, 200, 16
-    q = torch.randn(B, hq, N * bs, d, generator=g)
-    k = torch.randn(B, hkv, S + N * bs, d, generator=g)
-    v = torch.randn(B, hkv, S + N * bs, d, generator=g)
-    anchors = torch.randint(0, S, (B, N), generator=g).sort(-1).values
-    valid = torch.ones(B, N, dtype=torch.bool)
-    valid[1, 17:] = False
+    q, k, v, anchors, valid, bs = _multi_tile_inputs(seed=0)
     ref = A.dense_attention(q, k, v, anchors, valid, bs)
     out = A.flex_block_attention(q, k, v, anchors, valid, bs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -219,16 +226,8 @@ def test_flex_matches_dense_cuda():
 def test_flex_matches_dense_cuda_multi_tile():
     """Several 128-tiles, so the structural BlockMask's skipped, full and partial tiles all
     decide what the compiled kernel reads, forward and backward."""
-    g = torch.Generator().manual_seed(1)
-    B, hq, hkv, N, bs, S, d = 2, 4, 2, 24, 16, 200, 16
-    q = torch.randn(B, hq, N * bs, d, generator=g)
-    k = torch.randn(B, hkv, S + N * bs, d, generator=g)
-    v = torch.randn(B, hkv, S + N * bs, d, generator=g)
-    anchors = torch.randint(0, S, (B, N), generator=g).sort(-1).values
-    valid = torch.ones(B, N, dtype=torch.bool)
-    valid[1, 17:] = False
-    q, k, v, anchors, valid = (t.cuda() for t in (q, k, v, anchors, valid))
-    _check_flex_against_dense(q, k, v, anchors, valid, bs)
+    *tensors, bs = _multi_tile_inputs(seed=1)
+    _check_flex_against_dense(*(t.cuda() for t in tensors), bs)
 
 
 def _check_flex_against_dense(q, k, v, anchors, valid, bs):
