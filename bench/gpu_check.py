@@ -42,6 +42,7 @@ from bench_pipeline import synthetic_dataset  # noqa: E402
 from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.models.target import TargetModel, tap_layer_ids  # noqa: E402
 from dflash_trainer.observe.flops import peak_tflops  # noqa: E402
+from dflash_trainer.observe.report import read_metrics  # noqa: E402
 from dflash_trainer.run import train  # noqa: E402
 from dflash_trainer.run.trainer import Trainer  # noqa: E402
 
@@ -180,8 +181,7 @@ def window_means(jsonl: Path) -> dict[str, float]:
     idling) is left out, so the rows describe the steady state, not the final snapshot."""
     if not jsonl.exists():
         return {}
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("kind") == "metrics"][:-1]
+    rows = read_metrics(jsonl)[0][:-1]
     sums: dict[str, list[float]] = {}
     for r in rows:
         for k, v in r.items():

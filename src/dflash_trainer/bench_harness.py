@@ -113,23 +113,22 @@ def rows_taps(s):
 
 def rows_pipeline(s):
     out = []
-    for key, a, b in (
-        ("pipelined_vs_fixed_split", "shared cores", "fixed 50/50 split"),
-        ("drafter_bound_shared_vs_fixed", "shared cores, drafter-bound", "fixed split"),
-        ("pipelined_vs_sequential", "pipelined", "sequential"),
+    steady, whole = "training throughput (steady tokens/s)", "training throughput (tokens/s)"
+    for key, work, a, b in (
+        ("pipelined_vs_fixed_split", steady, "shared cores", "fixed 50/50 split"),
+        ("drafter_bound_shared_vs_fixed", steady, "shared cores, drafter-bound", "fixed split"),
+        ("pipelined_vs_sequential", steady, "pipelined", "sequential"),
         (
             "pipelined_vs_sequential_fill_and_drain_in",
+            whole,
             "pipelined, fill and drain in",
             "sequential",
         ),
-        ("pipelined_vs_colocated", "pipelined", "plain colocated loop"),
-        ("observability_on_vs_off", "observability on", "off"),
+        ("pipelined_vs_colocated", steady, "pipelined", "plain colocated loop"),
+        ("observability_on_vs_off", steady, "observability on", "off"),
     ):
         v = s.get(key)
         if v is not None:  # results of an older bench_pipeline lack the newer rows
-            work = "training throughput (tokens/s)"
-            if key != "pipelined_vs_sequential_fill_and_drain_in":
-                work = "training throughput (steady tokens/s)"
             out.append(_row(work, a, b, v["median"], v["min"], v["max"]))
     if "process_cpu_over_wall" in s:
         out.append(

@@ -55,12 +55,15 @@ class TargetWorker(Stage):
     def on_epoch_end(self, item: EpochEnd) -> None:
         self.hs_q.put(item, self.stop)
 
+    def _count_team_span(self, now: int) -> None:
+        """Adds the thread-ns the current team ran since the last change (or the step's start)."""
+        self._thread_ns += (now - self._team_since) * self.team
+        self._team_since = now
+
     def set_team(self, team: int) -> None:
         """This thread's OpenMP team size (between steps, or between decoder layers)."""
         if team != self.team:
-            now = time.perf_counter_ns()
-            self._thread_ns += (now - self._team_since) * self.team
-            self._team_since = now
+            self._count_team_span(time.perf_counter_ns())
             torch.set_num_threads(team)
             self.team = self.counters.gauges["threads"] = team
 
@@ -98,13 +101,12 @@ class TargetWorker(Stage):
                 hb = self.step_fn(item, c)
             t2 = time.perf_counter_ns()
             c.end_busy(t2)
-            if self.cores is not None:  # thread-seconds, borrowed cores included
-                self.cores.record(
-                    "target", self._thread_ns + (t2 - self._team_since) * self.team, 1
-                )
-            t2 = time.perf_counter_ns()
+            if self.cores is not None:  # thread-ns, borrowed cores included
+                self._count_team_span(t2)
+                self.cores.record("target", self._thread_ns, 1)
+            t3 = time.perf_counter_ns()
             self.hs_q.put(hb, self.stop)
-            c.wait_out_ns += time.perf_counter_ns() - t2
+            c.wait_out_ns += time.perf_counter_ns() - t3
             c.steps += 1
             c.items += int(item.batch.sample_ids.numel())
             c.tokens += item.batch.num_real_tokens
