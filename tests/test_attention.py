@@ -101,6 +101,35 @@ def test_split_bf16_close_to_fp32():
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
+def test_flex_needs_from_kv_blocks_with_seq_lengths(monkeypatch):
+    """Releases whose from_kv_blocks has no seq_lengths (flex_block_mask passes it) get "split",
+    not a TypeError on the first drafter step."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    class OldBlockMask:
+        @classmethod
+        def from_kv_blocks(
+            cls,
+            kv_num_blocks,
+            kv_indices,
+            full_kv_num_blocks=None,
+            full_kv_indices=None,
+            BLOCK_SIZE=128,
+            mask_mod=None,
+        ):
+            raise AssertionError("never called")
+
+    monkeypatch.setattr(fa, "BlockMask", OldBlockMask)
+    A.flex_available.cache_clear()
+    try:
+        assert not A.flex_available()
+        monkeypatch.undo()
+        A.flex_available.cache_clear()
+        assert A.flex_available()  # torch 2.13's BlockMask takes seq_lengths
+    finally:
+        A.flex_available.cache_clear()
+
+
 def test_resolve_impl():
     assert A.resolve_impl("auto", "cpu") == "split"
     assert A.resolve_impl("dense", "cpu") == "dense"

@@ -168,7 +168,7 @@ def test_console_sink_line(caplog):
 def offline_wandb_env(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_DIR", raising=False)  # the run dir holds it (see the test below)
     monkeypatch.setenv("WANDB_API_KEY", "secret123")
     monkeypatch.setenv("WANDB_SILENT", "true")
     # Anything that tried the network would hit a closed local port instead of the internet.
@@ -214,6 +214,18 @@ def test_fake_run_offline_wandb_no_secrets(offline_wandb_env):
     assert (run_dir / "metrics.jsonl").stat().st_size > 0
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert _grep_tree(offline_wandb_env, ["secret123", "hf_tok_XYZ789"]) == []
+
+
+def test_wandb_dir_env_is_honoured(offline_wandb_env, monkeypatch):
+    """WANDB_DIR, wandb's own convention, puts the W&B files there instead of the run dir."""
+    elsewhere = offline_wandb_env / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(elsewhere))
+    run_dir = offline_wandb_env / "run"
+    ms = build_sinks(MetricsConfig(wandb="offline", tensorboard=False, console=False), run_dir)
+    ms.close()
+    assert len(list((elsewhere / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+    assert not (run_dir / "wandb").exists()
 
 
 def test_wandb_missing_package_disables(tmp_path, monkeypatch, caplog):

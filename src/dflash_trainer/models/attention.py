@@ -26,6 +26,7 @@ Three implementations behind one function, ``block_attention(..., impl=...)``:
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -311,7 +312,11 @@ def flex_available() -> bool:
         import torch.nn.attention.flex_attention as fa
     except Exception:  # older torch / stripped builds
         return False
-    return hasattr(fa, "BlockMask") and hasattr(fa.BlockMask, "from_kv_blocks")
+    if not hasattr(fa, "BlockMask") or not hasattr(fa.BlockMask, "from_kv_blocks"):
+        return False
+    # flex_block_mask passes seq_lengths, which older releases' from_kv_blocks lacks: those fall
+    # back to the split kernels rather than fail on the first step.
+    return "seq_lengths" in inspect.signature(fa.BlockMask.from_kv_blocks).parameters
 
 
 @functools.cache

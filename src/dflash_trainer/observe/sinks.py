@@ -249,8 +249,9 @@ def run_id(run_dir: Path) -> str:
 
 
 class WandbSink(Sink):
-    """Weights & Biases run in `{run_dir}/wandb`; mode "offline" (default) or "online".
-    `init_kwargs` go to wandb.init as they are (build_sinks: wandb_init_kwargs)."""
+    """Weights & Biases run in `{run_dir}/wandb` (`$WANDB_DIR/wandb` when that is set); mode
+    "offline" (default) or "online". `init_kwargs` go to wandb.init as they are (build_sinks:
+    wandb_init_kwargs)."""
 
     name = "wandb"
 
@@ -277,7 +278,8 @@ class WandbSink(Sink):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         kwargs = dict(
-            dir=str(run_dir),
+            # WANDB_DIR, when set, is the user's choice (wandb reads it when `dir` is not given)
+            dir=os.environ.get("WANDB_DIR") or str(run_dir),
             name=run_name or os.environ.get("WANDB_NAME") or run_dir.name,
             config=redact(config or {}),
         )
