@@ -17,6 +17,10 @@ Rows (each a median over paired repeats, runs interleaved so machine noise hits 
   observability on / off        the full monitor + sinks + metrics ring vs none of it
   pipelined / stage bound       achieved vs min(isolated target rate, isolated drafter rate),
                                 each stage measured alone with the threads it gets in the pipeline
+  schedule bound                the most any pipeline can gain over the sequential schedule on
+                                these cores: the stages alone, perfectly balanced on their
+                                pipelined threads, vs the stages alone on every core in turn
+                                (`--bound` repeats only this)
 
 Run: .venv/bin/python bench/bench_pipeline.py [--quick] [--json OUT]
 Needs the embedded target (`make setup`); the data are random token sequences of realistic
@@ -152,10 +156,11 @@ def run_colocated(target, ds, steps) -> float:
         return tokens / (time.perf_counter() - t0)
 
 
-def isolated_rates(target, ds, steps) -> tuple[float, float]:
-    """Each stage alone, with the threads it gets in the pipelined schedule."""
+def isolated_rates(target, ds, steps, schedule="pipelined") -> tuple[float, float]:
+    """Each stage alone, with the threads it gets in `schedule`: its share of the cores when
+    pipelined, every core when sequential."""
     with tempfile.TemporaryDirectory() as d:
-        cfg = make_cfg(d, steps, "pipelined")
+        cfg = make_cfg(d, steps, schedule)
     t_thr, d_thr = thread_split(cfg)
     plan = plan_epoch(ds.lengths, cfg.batching, 0)
     batches = [
@@ -188,6 +193,44 @@ def isolated_rates(target, ds, steps) -> tuple[float, float]:
     d_rate = sum(b.num_real_tokens for b in batches) / (time.perf_counter() - t0)
     torch.set_num_threads(os.cpu_count())
     return t_rate, d_rate
+
+
+def schedule_bound(target, ds, steps: int, split: tuple[int, int]) -> dict:
+    """The most any pipeline can gain over the sequential schedule on these cores, from the
+    stages timed alone. With every core busy and the work perfectly balanced, a pipeline spends
+    the isolated stages' thread-seconds per token at their pipelined thread counts; the
+    sequential schedule spends the isolated stages' wall seconds per token on every core. Their
+    ratio is how much an op loses by running on all cores instead of its share (on 2 cores: how
+    far one op on two threads is from twice its one-thread speed)."""
+    tp, dp = isolated_rates(target, ds, steps, "pipelined")
+    ts, dsq = isolated_rates(target, ds, steps, "sequential")
+    balanced = sum(split) / (split[0] / tp + split[1] / dp)
+    sequential = 1 / (1 / ts + 1 / dsq)
+    return {
+        "target_tok_s": {"pipelined_threads": tp, "all_threads": ts},
+        "drafter_tok_s": {"pipelined_threads": dp, "all_threads": dsq},
+        "balanced_pipeline_tok_s": balanced,
+        "sequential_tok_s": sequential,
+        "bound": balanced / sequential,
+    }
+
+
+def bound_only(steps: int, repeats: int) -> None:
+    """schedule_bound alone, repeated (each repeat times both stages at both thread counts)."""
+    cfg = load_config("smollm2-cpu")
+    target = TargetModel.load(cfg.target, "cpu")
+    ds = synthetic_dataset(400, target.vocab_size)
+    with tempfile.TemporaryDirectory() as d:
+        split = thread_split(make_cfg(d, steps, "pipelined"))
+    bounds = []
+    for r in range(repeats):
+        b = schedule_bound(target, ds, steps, split)
+        bounds.append(b["bound"])
+        print(f"bound repeat {r}: {json.dumps(b)}", file=sys.stderr)
+    print(
+        f"balanced pipeline / sequential, stages alone: {statistics.median(bounds):.3f} "
+        f"({min(bounds):.3f}-{max(bounds):.3f}), threads {split}, {cpu_model()}"
+    )
 
 
 def overhead_only(steps: int, repeats: int) -> None:
@@ -228,10 +271,17 @@ def main() -> None:
         action="store_true",
         help="only observability on vs off, longer runs, more repeats",
     )
+    ap.add_argument(
+        "--bound",
+        action="store_true",
+        help="only the schedule bound (stages alone at their pipelined and at all threads)",
+    )
     args = ap.parse_args()
     steps, repeats = (6, 1) if args.quick else (12, 3)
     if args.overhead:
         return overhead_only(steps=20, repeats=4)
+    if args.bound:
+        return bound_only(steps=16, repeats=4)
     cfg = load_config("smollm2-cpu")
     target = TargetModel.load(cfg.target, "cpu")
     ds = synthetic_dataset(400, target.vocab_size)
@@ -267,7 +317,11 @@ def main() -> None:
             f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rows.items()),
             file=sys.stderr,
         )
-    t_rate, d_rate = isolated_rates(target, ds, steps)
+    with tempfile.TemporaryDirectory() as d:
+        split = thread_split(make_cfg(d, steps, "pipelined"))
+    sb = schedule_bound(target, ds, steps, split)
+    t_rate = sb["target_tok_s"]["pipelined_threads"]
+    d_rate = sb["drafter_tok_s"]["pipelined_threads"]
     bound = min(t_rate, d_rate)
 
     def ratio(a, b):
@@ -292,6 +346,7 @@ def main() -> None:
         "isolated_target_tok_s": t_rate,
         "isolated_drafter_tok_s": d_rate,
         "pipelined_vs_stage_bound": med["pipelined"] / bound,
+        "schedule_bound": sb,
         "steps_per_run": steps,
         "repeats": repeats,
     }
@@ -310,6 +365,11 @@ def main() -> None:
     print(
         f"| pipelined_vs_stage_bound | {result['pipelined_vs_stage_bound']:.3f} "
         f"(target alone {t_rate:.0f} tok/s, drafter alone {d_rate:.0f} tok/s) |"
+    )
+    print(
+        f"| most any pipeline gains over sequential here (stages alone, balanced) | "
+        f"{sb['bound']:.3f} ({sb['balanced_pipeline_tok_s']:.0f} vs {sb['sequential_tok_s']:.0f} "
+        f"tok/s) |"
     )
     print(json.dumps(result))
     if args.json:

@@ -150,6 +150,18 @@ def rows_pipeline(s):
             f"{s['isolated_drafter_tok_s']:.0f} tok/s",
         )
     )
+    sb = s.get("schedule_bound")
+    if sb is not None:  # older results lack it
+        out.append(
+            _row(
+                "training throughput, stages alone",
+                "balanced pipeline",
+                "sequential",
+                sb["bound"],
+                note="the most any pipeline can gain over sequential on these cores: "
+                f"{sb['balanced_pipeline_tok_s']:.0f} vs {sb['sequential_tok_s']:.0f} tok/s",
+            )
+        )
     return out
 
 
