@@ -5,6 +5,9 @@
                   every row stays in the batch until the longest one ends
   ours            decode_batch (data/generate.py): the same left-padded prefill, then rows
                   leave the batch as they end, so their compute is not spent on padding
+  ours, cat cache the same as ours with transformers' DynamicCache, which grows by concatenation
+                  (every step rereads and rewrites the whole cache) instead of ours
+                  (models/kv_cache.py), which writes each step's keys into preallocated buffers
   ours packed     the same, inside packed_linears (models/packed_linear.py): oneDNN's prepacked
                   GEMM, which speculative decoding uses on CPU; the packing itself (once per
                   call) is inside the timed span. The row says whether `generate` should too
@@ -34,7 +37,7 @@ import torch
 
 from dflash_trainer.bench_harness import cpu_model
 from dflash_trainer.config import load_config
-from dflash_trainer.data import embedded
+from dflash_trainer.data import embedded, generate
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import decode_batch, prompt_messages
 from dflash_trainer.models.packed_linear import packed_linears
@@ -71,6 +74,18 @@ def _hf_generate(target, rows, max_new, pad_id):
     return res
 
 
+def _with_cat_cache(fn, model, *args):
+    """fn with transformers' own DynamicCache in place of models/kv_cache.py's."""
+    from transformers import DynamicCache
+
+    saved = generate.new_kv_cache
+    generate.new_kv_cache = lambda m: DynamicCache(config=m.config)
+    try:
+        return fn(model, *args)
+    finally:
+        generate.new_kv_cache = saved
+
+
 def _count(results) -> int:
     return sum(len(t) + int(stopped) for t, stopped in results)
 
@@ -101,6 +116,7 @@ def main() -> None:
     for name, fn in (
         ("hf_generate", lambda b: _hf_generate(target, b, n, pad)),
         ("ours", lambda b: decode_batch(target.model, b, n, eos, pad)),
+        ("ours_cat_cache", lambda b: _with_cat_cache(decode_batch, target.model, b, n, eos, pad)),
         ("ours_packed", lambda b: decode_batch(target.model, b, n, eos, pad)),
     ):
         t0 = time.perf_counter()
@@ -131,6 +147,7 @@ def main() -> None:
         "ours_vs_one_at_a_time": round(rate["ours"] / rate["one_at_a_time"], 3),
         "ours_vs_hf_generate": round(rate["ours"] / rate["hf_generate"], 3),
         "packed_vs_ours": round(rate["ours_packed"] / rate["ours"], 3),
+        "ours_vs_cat_cache": round(rate["ours"] / rate["ours_cat_cache"], 3),
         "answers_differing_from_one_at_a_time": differ,
         "sweep_vs_ours": {
             k: round(v / rate["ours"], 3) for k, v in rate.items() if k.startswith("ours_batch")
@@ -140,7 +157,8 @@ def main() -> None:
         f"generation, {len(rows)} prompts x <= {n} tokens, batch {bsz}: "
         + ", ".join(f"{k} {v} tok/s" for k, v in out["tok_s"].items())
         + f"; ours/one-at-a-time {out['ours_vs_one_at_a_time']}, ours/HF generate "
-        f"{out['ours_vs_hf_generate']}, packed/ours {out['packed_vs_ours']}; "
+        f"{out['ours_vs_hf_generate']}, packed/ours {out['packed_vs_ours']}, "
+        f"ours/cat cache {out['ours_vs_cat_cache']}; "
         f"answers differing: {differ}"
     )
     if args.json:

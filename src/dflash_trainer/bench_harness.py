@@ -271,7 +271,19 @@ def rows_generate(s):
             s["packed_vs_ours"],
             note=f"{s['tok_s']['ours_packed']} vs {s['tok_s']['ours']} tok/s, packing included",
         ),
-    ]
+    ] + (
+        [
+            _row(
+                "answer generation, embedded target",
+                "ours, KV cache written in place",
+                "ours, transformers' DynamicCache (grows by cat)",
+                s["ours_vs_cat_cache"],
+                note=f"{s['tok_s']['ours']} vs {s['tok_s']['ours_cat_cache']} tok/s",
+            )
+        ]
+        if "ours_vs_cat_cache" in s  # older results lack it
+        else []
+    )
 
 
 def rows_kd(s):

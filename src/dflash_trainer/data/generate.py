@@ -28,8 +28,9 @@ from dflash_trainer.data.chat import Rendering, render_text
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.embedded import cache_root
+from dflash_trainer.models.kv_cache import cache_kwarg, new_kv_cache
 from dflash_trainer.models.precision import dtype_name
-from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache
+from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)

@@ -47,8 +47,9 @@ from dflash_trainer.errors import UserError
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, model_dtype, target_in
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.kv_cache import cache_kwarg, new_kv_cache
 from dflash_trainer.models.packed_linear import packed_linears
-from dflash_trainer.models.target import TargetModel, cache_kwarg, new_kv_cache, tap_outputs
+from dflash_trainer.models.target import TargetModel, tap_outputs
 from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)

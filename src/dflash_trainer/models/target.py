@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.models import embedded
+from dflash_trainer.models import embedded, kv_cache
 from dflash_trainer.models.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -108,23 +108,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def cache_kwarg(model: nn.Module) -> str:
-    """The forward's KV-cache argument: transformers 5.x renamed `past_key_values` to `cache`
-    (the old name is deprecated)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def new_kv_cache(model: nn.Module):
-    """An empty KV cache for `model`. Sliding-window layers record their past
-    (`activate_past_recording`) so that a speculative decoder can crop rejected drafts."""
-    from transformers import DynamicCache  # transformers: heavy, imported when used
-
-    cache = DynamicCache(config=model.config)
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
-    return cache
-
-
 @contextmanager
 def tap_outputs(model: nn.Module, layer_ids):
     """Capture the outputs of the given decoder layers for one forward (speculative decoding):
@@ -190,7 +173,7 @@ class TargetModel:
         # target.attn_implementation as transformers resolved it
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "eager"
         self._backbone = _backbone(model)
-        self._cache_kw = cache_kwarg(model)
+        self._cache_kw = kv_cache.cache_kwarg(model)
         self._state = threading.local()
         self._hooks = [
             self._layers[lid].register_forward_hook(self._make_hook(k))
@@ -406,8 +389,8 @@ class TargetModel:
         return worst
 
     def new_cache(self):
-        """An empty KV cache for `tapped_forward` (see `new_kv_cache`)."""
-        return new_kv_cache(self.model)
+        """An empty KV cache for `tapped_forward` (models/kv_cache.py)."""
+        return kv_cache.new_kv_cache(self.model)
 
     def tapped_forward(
         self,

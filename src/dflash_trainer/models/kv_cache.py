@@ -1,0 +1,110 @@
+"""The target's KV cache for decoding: transformers' DynamicCache whose full-attention layers
+write into preallocated buffers instead of growing by concatenation.
+
+Why: `DynamicLayer.update` does `torch.cat([keys, new])` for every layer at every step, so each
+decode step reads and rewrites the whole cache. On a CPU that copy was 36% of a batched
+generation's time (SmolLM2-135M, 32 rows, 2-core EPYC: `aten::cat` 22.9 s of 64 s), more than
+attention itself. Here a step writes only its new tokens; capacity doubles when full (amortised
+O(1) per token, like a Python list), and the layer hands attention a view of the filled part.
+Cropping rejected drafts (speculative decoding) moves the fill mark and copies nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+_MIN_CAPACITY = 64  # tokens: the first allocation holds at least this many
+
+
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer over buffers [B, H, capacity, D]; `keys` / `values` are
+    views of the first `length` positions (what every reader of a DynamicLayer sees)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k = self._v = None
+        self._len = 0
+
+    def _reserve(self, need: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        cap = 0 if self._k is None else self._k.shape[-2]
+        if need <= cap:
+            return
+        cap = max(need, 2 * cap, _MIN_CAPACITY)
+        new_k = k.new_empty((*k.shape[:-2], cap, k.shape[-1]))
+        new_v = v.new_empty((*v.shape[:-2], cap, v.shape[-1]))
+        if self._len:
+            new_k[..., : self._len, :] = self._k[..., : self._len, :]
+            new_v[..., : self._len, :] = self._v[..., : self._len, :]
+        self._k, self._v = new_k, new_v
+
+    def _expose(self) -> None:
+        self.keys = self._k[..., : self._len, :]
+        self.values = self._v[..., : self._len, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self._reserve(self._len + n, key_states, value_states)
+        self._k[..., self._len : self._len + n, :] = key_states
+        self._v[..., self._len : self._len + n, :] = value_states
+        self._len += n
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._len if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:  # DynamicLayer's contract: a negative count to remove
+            raise ValueError(f"crop takes a negative token count, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._len = max(0, self._len + tokens_to_remove)
+        self._expose()
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        self._len = 0
+        super().reset()
+
+    def _rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (in that order), copying only the filled positions."""
+        if not self.is_initialized or self._k is None:
+            return
+        index = index.to(self._k.device)
+        self._k = self._k[index, ..., : self._len, :].contiguous()
+        self._v = self._v[index, ..., : self._len, :].contiguous()
+        self._expose()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized and self._k is not None:
+            self._rows(torch.arange(self._k.shape[0]).repeat_interleave(repeats))
+
+
+def new_kv_cache(model: nn.Module) -> DynamicCache:
+    """An empty KV cache for `model`: a DynamicCache whose full-attention layers are
+    GrowingLayers. Other layer kinds (sliding windows, linear attention) stay as transformers
+    made them; sliding-window layers record their past (`activate_past_recording`) so that a
+    speculative decoder can crop rejected drafts."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [GrowingLayer() if type(la) is DynamicLayer else la for la in cache.layers]
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward's KV-cache argument: transformers 5.x renamed `past_key_values` to `cache`
+    (the old name is deprecated)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
