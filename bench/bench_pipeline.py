@@ -195,18 +195,21 @@ def isolated_rates(target, ds, steps, schedule="pipelined") -> tuple[float, floa
     return t_rate, d_rate
 
 
-def schedule_bound(target, ds, steps: int, split: tuple[int, int]) -> dict:
+def schedule_bound(target, ds, steps: int) -> dict:
     """The most any pipeline can gain over the sequential schedule on these cores, from the
     stages timed alone. With every core busy and the work perfectly balanced, a pipeline spends
     the isolated stages' thread-seconds per token at their pipelined thread counts; the
     sequential schedule spends the isolated stages' wall seconds per token on every core. Their
     ratio is how much an op loses by running on all cores instead of its share (on 2 cores: how
     far one op on two threads is from twice its one-thread speed)."""
+    with tempfile.TemporaryDirectory() as d:
+        split = thread_split(make_cfg(d, steps, "pipelined"))
     tp, dp = isolated_rates(target, ds, steps, "pipelined")
     ts, dsq = isolated_rates(target, ds, steps, "sequential")
     balanced = sum(split) / (split[0] / tp + split[1] / dp)
     sequential = 1 / (1 / ts + 1 / dsq)
     return {
+        "pipelined_threads": list(split),
         "target_tok_s": {"pipelined_threads": tp, "all_threads": ts},
         "drafter_tok_s": {"pipelined_threads": dp, "all_threads": dsq},
         "balanced_pipeline_tok_s": balanced,
@@ -220,16 +223,14 @@ def bound_only(steps: int, repeats: int) -> None:
     cfg = load_config("smollm2-cpu")
     target = TargetModel.load(cfg.target, "cpu")
     ds = synthetic_dataset(400, target.vocab_size)
-    with tempfile.TemporaryDirectory() as d:
-        split = thread_split(make_cfg(d, steps, "pipelined"))
     bounds = []
     for r in range(repeats):
-        b = schedule_bound(target, ds, steps, split)
+        b = schedule_bound(target, ds, steps)
         bounds.append(b["bound"])
         print(f"bound repeat {r}: {json.dumps(b)}", file=sys.stderr)
     print(
         f"balanced pipeline / sequential, stages alone: {statistics.median(bounds):.3f} "
-        f"({min(bounds):.3f}-{max(bounds):.3f}), threads {split}, {cpu_model()}"
+        f"({min(bounds):.3f}-{max(bounds):.3f}), threads {b['pipelined_threads']}, {cpu_model()}"
     )
 
 
@@ -317,9 +318,7 @@ def main() -> None:
             f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rows.items()),
             file=sys.stderr,
         )
-    with tempfile.TemporaryDirectory() as d:
-        split = thread_split(make_cfg(d, steps, "pipelined"))
-    sb = schedule_bound(target, ds, steps, split)
+    sb = schedule_bound(target, ds, steps)
     t_rate = sb["target_tok_s"]["pipelined_threads"]
     d_rate = sb["drafter_tok_s"]["pipelined_threads"]
     bound = min(t_rate, d_rate)

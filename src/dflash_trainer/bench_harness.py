@@ -249,7 +249,7 @@ def rows_generate(s):
         f"{s['tok_s']['one_at_a_time']} (one at a time) tok/s; {s['prompts']} prompts x <= "
         f"{s['max_new_tokens']} tokens, batch {s['batch_size']}"
     )
-    return [
+    out = [
         _row(
             "answer generation, embedded target",
             "ours",
@@ -271,8 +271,9 @@ def rows_generate(s):
             s["packed_vs_ours"],
             note=f"{s['tok_s']['ours_packed']} vs {s['tok_s']['ours']} tok/s, packing included",
         ),
-    ] + (
-        [
+    ]
+    if "ours_vs_cat_cache" in s:  # older results lack it
+        out.append(
             _row(
                 "answer generation, embedded target",
                 "ours, KV cache written in place",
@@ -280,10 +281,8 @@ def rows_generate(s):
                 s["ours_vs_cat_cache"],
                 note=f"{s['tok_s']['ours']} vs {s['tok_s']['ours_cat_cache']} tok/s",
             )
-        ]
-        if "ours_vs_cat_cache" in s  # older results lack it
-        else []
-    )
+        )
+    return out
 
 
 def rows_kd(s):
