@@ -1,0 +1,367 @@
+"""Served acceptance: the export decoded by a serving engine (vLLM) as its DFlash drafter.
+
+One more implementation behind the evaluation interface of eval/specdecode.py: `served_evaluate`
+takes the same prompts (token ids, rendered as in training), block size, token limit and stop ids
+as `evaluate` and returns the same `EvalSummary`, its `spec_results` being vLLM's generations with
+the drafter and its `ar_results` vLLM's plain greedy ones (so `outputs_match`/`lossless_line` is
+the identity of vLLM's spec output against vLLM's own greedy output).
+
+vLLM lives in its own venv (`make vllm` builds `.venv-vllm` with vLLM's CPU build; GPU users
+`pip install vllm` into any venv) because it pins transformers<5.20: the engine runs as a
+subprocess of that venv's python (eval/vllm_worker.py, which imports only vllm and the standard
+library), one process per engine (drafter / no drafter), prompts one at a time (batch 1, like our
+loop).
+
+How vLLM's counters become our metrics (v1/core/sched/scheduler.py, v1/spec_decode/metrics.py):
+vLLM counts per draft step (cycle) the drafts proposed (always num_speculative_tokens) and the
+drafts accepted, before the token limit or a stop id truncates the output. The worker reads the
+engine's cumulative counters before and after each prompt, so each prompt has: cycles, accepted
+drafts and accepted-per-position counts. From those:
+- tau per prompt = (generated tokens - 1) / cycles: the first token comes from prefill, every
+  other from a cycle, so this is exactly our convention (the mean of each cycle's committed
+  tokens, clipped at the limit/stop id), no ordering needed;
+- vLLM's own "mean acceptance length" = 1 + accepted / cycles (unclipped, over all prompts);
+- the per-cycle multiset of accepted drafts is recovered exactly from the per-position counts
+  (cycles accepting >= i drafts = accepted_per_pos[i-1]); the clipping at the end is applied to
+  the longest cycle (vLLM does not say which cycle was last), which affects the histogram only.
+
+The parity gate (`parity_problems`, `check_parity`): the project's loop and the served engine on
+the same prompts must agree: same greedy tokens, tau within a stated tolerance; a failure names
+what diverged (target, slot, setting).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.eval.metrics import EvalSummary, summarize
+from dflash_trainer.eval.specdecode import GenResult
+
+log = logging.getLogger(__name__)
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+VLLM_VENV = ".venv-vllm"  # built by `make vllm` (part of `make setup`)
+INSTALL_HINT = (
+    "build it with `make vllm` (vLLM's CPU build in .venv-vllm), or `pip install vllm` into a "
+    "venv of its own and pass --eval.vllm_python=THAT_VENV/bin/python"
+)
+
+
+def find_vllm_python(explicit: str = "") -> Path | None:
+    """The python of the environment vLLM is installed in: `explicit` (eval.vllm_python), else
+    $DFLASH_VLLM_PYTHON, else .venv-vllm in the current directory or in this checkout."""
+    for cand in (explicit, os.environ.get("DFLASH_VLLM_PYTHON", "")):
+        if cand:
+            p = Path(cand).expanduser()
+            if not p.exists():
+                raise UserError(f"vLLM python '{p}' does not exist; {INSTALL_HINT}.")
+            return p
+    checkout = Path(__file__).resolve().parents[3]  # src/dflash_trainer/eval/served.py
+    for root in (Path.cwd(), checkout):
+        p = root / VLLM_VENV / "bin" / "python"
+        if p.exists():
+            return p
+    return None
+
+
+def vllm_unavailable(python: Path | None) -> str | None:
+    """Why vLLM cannot run here (None: it can): no venv, a platform without a wheel, or an
+    install that does not import."""
+    if python is None:
+        return f"no vLLM environment found; {INSTALL_HINT}"
+    why = python.parent.parent / ".unavailable"  # written by `make vllm` where no wheel exists
+    if why.is_file():
+        return why.read_text(encoding="utf-8").strip()
+    r = subprocess.run(
+        [str(python), "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["?"]
+        return f"'{python}' cannot import vllm ({tail[0]}); {INSTALL_HINT}"
+    return None
+
+
+def engine_target(target_cfg: Any) -> str:
+    """The target as an engine loads it: the converted directory for the embedded target (an
+    engine cannot read `embedded:smollm2`, and the original Hub checkpoint is not the de-quantised
+    model the drafter was trained on), an absolute path for a local directory, else the Hub id."""
+    model = str(target_cfg.model)
+    if model.startswith("embedded:"):
+        from dflash_trainer.models.embedded import embedded_target_dir
+
+        return str(embedded_target_dir(target_cfg.cache_dir, model.split(":", 1)[1]))
+    if Path(model).expanduser().is_dir():
+        return str(Path(model).expanduser().resolve())
+    return model
+
+
+@dataclass
+class VLLMEngine:
+    """vLLM's offline engine in its own environment (one subprocess per `run`)."""
+
+    python: Path
+    target: str  # engine_target(): a directory or a Hub id
+    dtype: str = "float32"  # the engine's dtype (the draft runs in the target's dtype)
+    revision: str | None = None
+    max_model_len: int = 4096
+    kv_cache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE (CPU build)
+    timeout_s: float = 1800.0
+    threads: int = 0  # OMP_NUM_THREADS for the CPU build (0 = leave as is)
+
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        drafter: str | Path | None = None,
+        block_size: int = 1,
+        stop_ids: Sequence[int] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        mode: str = "decode",
+    ) -> dict:
+        """The worker's result dict (eval/vllm_worker.py) for `prompts`."""
+        req = {
+            "target": self.target,
+            "drafter": str(Path(drafter).resolve()) if drafter else None,
+            # vLLM ignores the export's block_size: the block is 1 + num_speculative_tokens
+            "num_speculative_tokens": block_size - 1,
+            "prompts": [list(map(int, p)) for p in prompts],
+            "max_tokens": max_new_tokens,
+            "stop_token_ids": list(map(int, stop_ids)),
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "mode": mode,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "kv_cache_gb": self.kv_cache_gb,
+            "extra_engine_args": {"revision": self.revision} if self.revision else {},
+        }
+        env = dict(os.environ)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        env.pop("PYTHONPATH", None)  # the project's src must not shadow the venv's packages
+        with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
+            rq, out, logf = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "log"
+            rq.write_text(json.dumps(req), encoding="utf-8")
+            t0 = time.perf_counter()
+            with open(logf, "w", encoding="utf-8") as lf:
+                r = subprocess.run(
+                    [str(self.python), str(WORKER), str(rq), str(out)],
+                    stdout=lf,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=tmp,
+                    timeout=self.timeout_s,
+                )
+            if r.returncode != 0 or not out.is_file():
+                tail = "\n".join(
+                    logf.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
+                )
+                raise UserError(
+                    f"vLLM ({self.python}) failed with exit code {r.returncode} serving target "
+                    f"'{self.target}'"
+                    + (f" with drafter '{drafter}'" if drafter else "")
+                    + f":\n{tail}"
+                )
+            res = json.loads(out.read_text(encoding="utf-8"))
+        res["wall_s"] = time.perf_counter() - t0
+        log.info(
+            "vLLM %s: %d prompts%s, engine start %.0f s, decode %.0f s",
+            res.get("vllm_version"),
+            len(prompts),
+            " with the drafter" if drafter else "",
+            res.get("startup_s", 0.0),
+            res.get("run_s", 0.0),
+        )
+        return res
+
+
+def served_result(r: dict, block_size: int) -> GenResult:
+    """One prompt of the worker's result as a GenResult (module docstring: how)."""
+    tokens = [int(t) for t in r["tokens"]]
+    res = GenResult(tokens=tokens, acceptance_lengths=[], accepted_drafts=[], block_sizes=[])
+    res.decode_time = float(r.get("seconds", 0.0))
+    res.stopped = False
+    cycles = int(r.get("drafts", 0))
+    if block_size <= 1 or cycles == 0:
+        return res
+    k = block_size - 1
+    per_pos = (list(r.get("per_pos") or []) + [0] * k)[:k]
+    ge = [cycles] + per_pos  # ge[i] = cycles that accepted >= i drafts
+    accepted = []
+    for i in range(k + 1):
+        nxt = ge[i + 1] if i < k else 0
+        accepted += [i] * (ge[i] - nxt)
+    lengths = [a + 1 for a in accepted]
+    excess = sum(lengths) - max(0, len(tokens) - 1)
+    for j in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        if excess <= 0:
+            break
+        cut = min(excess, lengths[j] - 1)
+        lengths[j] -= cut
+        excess -= cut
+    res.accepted_drafts = accepted
+    res.acceptance_lengths = lengths
+    res.block_sizes = [block_size] * cycles
+    return res
+
+
+@dataclass
+class ServedEval:
+    summary: EvalSummary  # spec = vLLM with the drafter, ar = vLLM plain greedy
+    mean_acceptance_length: float  # vLLM's own: 1 + accepted / cycles over all prompts
+    taus: list[float]  # per prompt, our convention (clipped)
+    vllm_version: str
+    startup_s: float
+    wall_s: float
+
+    def to_dict(self) -> dict:
+        d = self.summary.to_dict()
+        d.update(
+            engine="vllm",
+            vllm_version=self.vllm_version,
+            vllm_mean_acceptance_length=self.mean_acceptance_length,
+            tau_per_prompt=self.taus,
+            engine_startup_s=self.startup_s,
+            engine_wall_s=self.wall_s,
+        )
+        return d
+
+
+def served_evaluate(
+    engine: VLLMEngine,
+    drafter_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    block_size: int,
+    stop_ids: Sequence[int] = (),
+    baseline: bool = True,
+) -> ServedEval:
+    """The export served as vLLM's DFlash drafter on `prompts` (greedy), and vLLM's plain greedy
+    decoding of the same prompts (`baseline`): the same EvalSummary as evaluate()."""
+    spec = engine.run(prompts, max_new_tokens, drafter_dir, block_size, stop_ids)
+    results = [served_result(r, block_size) for r in spec["results"]]
+    ar = None
+    wall = spec["wall_s"]
+    if baseline:
+        plain = engine.run(prompts, max_new_tokens, None, 1, stop_ids)
+        ar = [served_result(r, 1) for r in plain["results"]]
+        wall += plain["wall_s"]
+    s = summarize(results, ar, block_size)
+    s.decode_dtype = engine.dtype
+    cycles = sum(int(r.get("drafts", 0)) for r in spec["results"])
+    acc = sum(int(r.get("accepted", 0)) for r in spec["results"])
+    return ServedEval(
+        summary=s,
+        mean_acceptance_length=1 + acc / cycles if cycles else 1.0,
+        taus=[r.tau for r in results],
+        vllm_version=str(spec.get("vllm_version")),
+        startup_s=float(spec.get("startup_s", 0.0)),
+        wall_s=wall,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The train/serve parity gate
+# --------------------------------------------------------------------------------------------
+
+# Relative tolerance on tau (served vs ours). Greedy, float32 on both sides: every cycle's
+# acceptance is a function of argmaxes only, so the served tau equals ours exactly unless a
+# kernel's rounding flips a near-tie between two candidates (measured: the memorised drafter,
+# exact on 6 of 6 prompts; the demo's export 1.111 vs 1.112, a 0.1% gap). A real train/serve
+# mismatch (taps off by one layer, a scaled embedding, another RoPE base, another target) drops
+# served acceptance towards 1, i.e. loses most of tau - 1: 5% stays far below that for any
+# drafter worth serving and far above rounding.
+PARITY_TOLERANCE = 0.05
+
+
+def parity_problems(
+    ours: EvalSummary,
+    served: ServedEval,
+    drafter_cfg: Any,
+    target: str,
+    tolerance: float = PARITY_TOLERANCE,
+) -> list[str]:
+    """What diverged between our loop (`ours`, greedy, with its spec_results) and the served
+    engine on the same prompts; [] when they agree. Each line names a slot or a setting."""
+    s = served.summary
+    out = []
+    ours_tokens = [r.tokens for r in ours.spec_results]
+    spec_tokens = [r.tokens for r in s.spec_results]
+    plain_tokens = [r.tokens for r in s.ar_results] if s.ar_results else None
+    if plain_tokens is not None and plain_tokens != ours_tokens:
+        n = sum(a != b for a, b in zip(plain_tokens, ours_tokens))
+        out.append(
+            f"target: vLLM's plain greedy output differs from ours on {n} of {len(ours_tokens)} "
+            f"prompts before any drafting: the served target ('{target}', "
+            f"{served.summary.decode_dtype}) "
+            "is not the model trained against (serve the directory training.json names, in the "
+            "same dtype)"
+        )
+    if plain_tokens is not None and spec_tokens != plain_tokens:
+        n = sum(a != b for a, b in zip(spec_tokens, plain_tokens))
+        out.append(
+            f"lossless: vLLM with the drafter differs from vLLM's plain greedy on {n} of "
+            f"{len(spec_tokens)} prompts (an engine problem, not the drafter's)"
+        )
+    rel = abs(s.tau - ours.tau) / max(ours.tau, 1e-9)
+    if rel > tolerance:
+        slot = next(
+            (
+                i + 1
+                for i, (a, b) in enumerate(zip(ours.position_acceptance, s.position_acceptance))
+                if abs(a - b) > tolerance
+            ),
+            None,
+        )
+        k = getattr(drafter_cfg, "block_size", 0) - 1
+        settings = (
+            f"served with num_speculative_tokens={k} (block_size - 1), method dflash; check "
+            f"dflash_config.target_layer_ids {list(getattr(drafter_cfg, 'target_layer_ids', []))} "
+            f"(vLLM taps the output of decoder layer id, HF hidden_states[id + 1]), "
+            f"rope_theta {getattr(drafter_cfg, 'rope_theta', '?')}, mask_token_id "
+            f"{getattr(drafter_cfg, 'mask_token_id', '?')}, the embedding scale (raw table, scale "
+            "1) and that the engine shares the target's lm_head"
+        )
+        where = (
+            f"first at draft slot {slot} (ours {ours.position_acceptance[slot - 1]:.3f}, vLLM "
+            f"{s.position_acceptance[slot - 1]:.3f})"
+            if slot
+            else "spread over the slots"
+        )
+        out.append(
+            f"tau: vLLM {s.tau:.3f} vs ours {ours.tau:.3f} ({rel:.1%} > {tolerance:.0%}), "
+            f"per-position acceptance diverging {where}; {settings}"
+        )
+    return out
+
+
+def check_parity(
+    ours: EvalSummary,
+    served: ServedEval,
+    drafter_cfg: Any,
+    target: str,
+    tolerance: float = PARITY_TOLERANCE,
+) -> None:
+    """parity_problems, raised as a UserError naming every divergence."""
+    problems = parity_problems(ours, served, drafter_cfg, target, tolerance)
+    if problems:
+        raise UserError(
+            "train/serve parity failed (vLLM serving the export disagrees with the project's "
+            "loop on the same prompts):\n  - " + "\n  - ".join(problems)
+        )

