@@ -155,3 +155,32 @@ def test_training_record_keeps_the_target_revision():
     assert rec["config"]["target"]["revision"] == "v1.0"  # eval --drafter loads that revision
     cfg.target.revision = ""
     assert training_record(to_dict(cfg))["target"]["revision"] is None  # main
+
+
+def test_training_record_names_the_target_an_engine_loads(tmp_path):
+    from dflash_trainer.config import Config, to_dict
+    from dflash_trainer.models.export import training_record
+
+    cfg = Config()
+    cfg.target.model, cfg.target.revision = "org/tiny-target", "v1.0"
+    t = training_record(to_dict(cfg))["target"]
+    assert t["engine_model"] == "org/tiny-target" and t["engine_revision"] == "v1.0"
+    cfg.target.model = str(tmp_path)  # a local directory: its absolute path
+    t = training_record(to_dict(cfg))["target"]
+    assert t["engine_model"] == str(tmp_path.resolve()) and t["engine_revision"] is None
+
+
+def test_export_dtype_names_and_the_last_layer_tap_warning(tmp_path, caplog):
+    from dflash_trainer.models.export import export_dtype, last_layer_tap_warning
+
+    assert export_dtype("bfloat16") is torch.bfloat16 and export_dtype("as_trained") is None
+    with pytest.raises(UserError):
+        export_dtype("int8")
+    m = _drafter()
+    assert last_layer_tap_warning(m.config) is None  # taps 1, 3, 5 of 8 layers
+    m.config.target_layer_ids = [1, 3, 7]
+    assert "SGLang" in last_layer_tap_warning(m.config)
+    with caplog.at_level("WARNING"):
+        export_drafter(m, tmp_path / "d", torch.bfloat16)
+    assert "sglang#32204" in caplog.text
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -21,7 +21,7 @@ from memorised import BLOCK, EPOCHS, N_CONV, NEW_TOKENS
 @pytest.mark.slow
 def test_train_memorises_through_the_real_path(memorised):
     m = memorised
-    drafter = load_drafter(m.export_dir, "cpu")
+    drafter = load_drafter(m.export_dir, "cpu", torch.float32)  # stored bf16, decoded in fp32
     with torch.inference_mode():
         s = evaluate(
             m.target, drafter, m.prompt_ids, NEW_TOKENS, BLOCK, baseline=False, warmup=False

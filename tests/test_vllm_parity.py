@@ -44,7 +44,9 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
             pytest.fail(f"DFLASH_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
         pytest.skip(f"vLLM unavailable: {why}")
     m = memorised
-    drafter = load_drafter(m.export_dir, "cpu")
+    # the export as written by default (bf16 weights), decoded in float32 by both loops (vLLM
+    # runs the draft in the target's dtype)
+    drafter = load_drafter(m.export_dir, "cpu", torch.float32)
     stop = m.target.eos_token_ids
     with torch.inference_mode():
         ours = evaluate(

@@ -96,6 +96,7 @@ def tiny_config(tmp_path, **over) -> Config:
         "drafter.block_size": 4,
         "drafter.num_anchors": 8,
         "drafter.mask_token_id": 0,
+        "checkpoint.export_dtype": "float32",  # exact exports: tests compare them to the drafter
         "batching.max_tokens": 256,
         "batching.max_batch_size": 4,
         "batching.num_buckets": 2,

@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--dtype",
                 dest="export_dtype",
-                default="",
-                choices=["", "float32", "bfloat16", "float16"],
-                help="weights dtype (default: as trained)",
+                default="bfloat16",
+                choices=["bfloat16", "float32", "float16", "as_stored"],
+                help="weights dtype (default bfloat16, which every engine runs; as_stored = the "
+                "source's dtype)",
             )
         if name == "eval":
             p.add_argument(

@@ -399,6 +399,14 @@ class CheckpointConfig:
         unit="s",
         min=1.0,
     )
+    export_dtype: str = _f(
+        "bfloat16",
+        "dtype of the stored weights of every export the run writes (RUN_DIR/export, best/, each "
+        "checkpoint's export/): bfloat16 runs in every engine (SGLang with --dtype auto takes the "
+        "draft's dtype from its config.json: a float32 export becomes float16 beside a bf16 "
+        "target); float32 keeps the trained values exactly; as_trained = the training dtype",
+        choices=("bfloat16", "float32", "float16", "as_trained"),
+    )
 
 
 @dataclass(kw_only=True, slots=True)

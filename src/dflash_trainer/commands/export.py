@@ -55,13 +55,13 @@ def _check_out(out: Path, src: Path) -> None:
         )
 
 
-def export(source, out, dtype: str = "") -> tuple[Path, dict | None]:
+def export(source, out, dtype: str = "bfloat16") -> tuple[Path, dict | None]:
     """Library form of the command: (the written directory, its training record)."""
     src, rec = _source(Path(source))
     out = Path(out)
     _check_out(out, src)
     drafter = load_drafter(src)  # validates names, shapes and finiteness
-    export_drafter(drafter, out, DTYPES[dtype] if dtype else None, training=rec)
+    export_drafter(drafter, out, DTYPES.get(dtype), training=rec)  # as_stored/"": unchanged
     return out, rec
 
 
@@ -81,6 +81,8 @@ def run(cfg: Config, args) -> int:
     if rec is not None:
         rev = target.get("revision") or target.get("commit") or "not recorded"
         print(f"    {TRAINING_NAME}: target {target.get('model')} (revision {rev})")
+        if target.get("engine_model"):
+            print(f"    serve with target {target['engine_model']} (docs/export.md)")
     else:
         print(f"    no {TRAINING_NAME} in the source: eval will need the target (--preset/flags)")
     print(f"evaluate: dflash-trainer eval --drafter {out}")

@@ -15,6 +15,7 @@ crash never leaves a half-written export under out_dir.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -29,7 +30,36 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 TRAINING_NAME = "training.json"
 
+log = logging.getLogger(__name__)
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+EXPORT_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def export_dtype(name: str) -> torch.dtype | None:
+    """checkpoint.export_dtype / `export --dtype` as a torch dtype (None: as trained)."""
+    if name in ("", "as_trained"):
+        return None
+    if name not in EXPORT_DTYPES:
+        raise UserError(f"export dtype '{name}' is not one of {sorted(EXPORT_DTYPES)}/as_trained.")
+    return EXPORT_DTYPES[name]
+
+
+def last_layer_tap_warning(config) -> str | None:
+    """A warning when the drafter taps the target's last decoder layer: vLLM serves it, SGLang
+    cannot capture that layer (sglang#32204) and fails at the first draft step."""
+    ids = list(getattr(config, "target_layer_ids", []) or [])
+    n = getattr(config, "num_target_layers", 0)
+    if n and ids and max(ids) == n - 1:
+        return (
+            f"the drafter taps the target's last decoder layer ({n - 1} of 0..{n - 1}): vLLM "
+            "serves this export, SGLang cannot (it cannot capture the last layer, sglang#32204, "
+            "and fails at the first draft step); choose --target.taps without the last layer "
+            "to serve with SGLang"
+        )
+    return None
+
+
 _LAYER_PARAMS = (
     "input_layernorm",
     "post_attention_layernorm",
@@ -107,6 +137,21 @@ def _hub_commit(model: str, revision: str | None) -> str | None:
     return parts[parts.index("snapshots") + 1] if "snapshots" in parts else None
 
 
+def _engine_model(t: dict, model, embedded: bool, local: bool) -> str | None:
+    if not model:
+        return None
+    if embedded:
+        from dflash_trainer.models.embedded import cache_root
+
+        try:
+            from dflash_trainer.models.embedded import embedded_target_dir
+
+            return str(embedded_target_dir(t.get("cache_dir", ""), str(model).split(":", 1)[1]))
+        except UserError:  # not installed here: where it will be converted
+            return str(cache_root(t.get("cache_dir", "")) / "models")
+    return str(Path(model).resolve()) if local else str(model)
+
+
 def training_record(config: dict, *, step: int | None = None, source: str | None = None) -> dict:
     """training.json content: which target the drafter belongs to and how it was trained.
     `config` is the resolved training config (config.to_dict); `source` the checkpoint."""
@@ -128,6 +173,10 @@ def training_record(config: dict, *, step: int | None = None, source: str | None
             "revision": revision,
             "commit": commit,
             "local_dir": str(Path(model).resolve()) if local else None,
+            # what a serving engine loads (vLLM `model=`, SGLang --model-path): the converted
+            # directory for the embedded target, never `embedded:...` nor its Hub original
+            "engine_model": _engine_model(t, model, embedded, local),
+            "engine_revision": None if embedded or local else (commit or revision),
         },
         "config": config,
     }
@@ -178,6 +227,9 @@ def export_weights(
     if dtype not in _DTYPE_NAMES:
         raise UserError(f"export dtype {dtype} is not supported; use float32/bfloat16/float16.")
     tensors = {n: sd[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
+    warn = last_layer_tap_warning(config)
+    if warn:
+        log.warning("export %s: %s", out, warn)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -30,7 +30,7 @@ from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, targe
 from dflash_trainer.eval.metrics import summarize
 from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
-from dflash_trainer.models.export import export_drafter
+from dflash_trainer.models.export import export_drafter, export_dtype
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class PeriodicEval:
         if tau > self.best:
             self.best = tau
             tmp = self.run_dir / "best.tmp"
-            export_drafter(self.drafter, tmp)
+            export_drafter(self.drafter, tmp, export_dtype(self.cfg.checkpoint.export_dtype))
             (tmp / "eval.json").write_text(
                 json.dumps({"step": step, "tau": tau, "prompt_set": VALIDATION})
             )

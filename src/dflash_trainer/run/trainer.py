@@ -34,7 +34,12 @@ from dflash_trainer.checkpoint import (
     step_of,
 )
 from dflash_trainer.config import Config
-from dflash_trainer.models.export import export_drafter, export_weights, training_record
+from dflash_trainer.models.export import (
+    export_drafter,
+    export_dtype,
+    export_weights,
+    training_record,
+)
 from dflash_trainer.observe.balance import assess as assess_balance
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.monitor import Monitor
@@ -403,7 +408,8 @@ class Trainer:
         # training.json: the target and the training config, so `eval --drafter` needs no preset
         step = step_of(Path(Path(out_dir).parent.name.split(".tmp-")[0]))  # step-N.tmp-PID/
         record = training_record(self.parts.config_dict, step=step)
-        export_weights(self.parts.drafter.config, weights, out_dir, training=record)
+        dtype = export_dtype(self.cfg.checkpoint.export_dtype)
+        export_weights(self.parts.drafter.config, weights, out_dir, dtype, training=record)
 
     def _checkpoint_written(self, path: Path, snap) -> None:
         """After the checkpoint is on disk (writer thread when async): the ledger entries it
@@ -595,7 +601,8 @@ class Trainer:
         export_dir = self.run_dir / "export"
         tmp = self.run_dir / "export.tmp"
         record = training_record(self.parts.config_dict, step=self.loop.state.step)
-        export_drafter(self.parts.drafter, tmp, training=record)
+        dtype = export_dtype(self.cfg.checkpoint.export_dtype)
+        export_drafter(self.parts.drafter, tmp, dtype, training=record)
         if export_dir.exists():
             shutil.rmtree(export_dir)
         os.replace(tmp, export_dir)

@@ -1,0 +1,53 @@
+"""eval/served.py without an engine: vLLM's counters as our metrics, and the parity gate's
+messages (tests/test_vllm_parity.py runs the real engine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.eval.metrics import summarize
+from dflash_trainer.eval.served import ServedEval, check_parity, parity_problems, served_result
+from dflash_trainer.eval.specdecode import GenResult
+
+
+def test_counters_become_cycles_and_our_clipped_tau():
+    # 3 cycles accepting 2, 0 and 5 drafts (block 8); the output stops after 1 + 3 + 1 + 4 tokens
+    # (the last cycle clipped from 6 to 4 by the token limit)
+    r = {"tokens": list(range(9)), "drafts": 3, "accepted": 7, "per_pos": [2, 2, 1, 1, 1, 0, 0]}
+    g = served_result(r, 8)
+    assert sorted(g.accepted_drafts) == [0, 2, 5]
+    assert sorted(g.acceptance_lengths) == [1, 3, 4] and sum(g.acceptance_lengths) == 8
+    assert g.tau == pytest.approx(8 / 3)  # (tokens - 1) / cycles: our convention
+    assert served_result({"tokens": [1, 2]}, 1).acceptance_lengths == []  # plain decoding
+
+
+def _gen(tokens, lengths):
+    return GenResult(tokens, lengths, [n - 1 for n in lengths], [4] * len(lengths))
+
+
+def _served(spec, plain, block=4):
+    s = summarize(spec, plain, block)
+    return ServedEval(s, s.tau, [r.tau for r in spec], "test", 0.0, 0.0)
+
+
+def test_parity_gate_names_what_diverged():
+    cfg = SimpleNamespace(block_size=4, target_layer_ids=[1, 3], rope_theta=1e4, mask_token_id=0)
+    ours = summarize([_gen([5, 6, 7, 8, 9], [4]), _gen([1, 2, 3, 4, 5], [4])], None, 4)
+    same = _served([_gen([5, 6, 7, 8, 9], [4]), _gen([1, 2, 3, 4, 5], [4])], ours.spec_results)
+    assert parity_problems(ours, same, cfg, "T") == []
+    check_parity(ours, same, cfg, "T")
+    low = _served(
+        [_gen([5, 6, 7, 8, 9], [1, 1, 1, 1]), _gen([1, 2, 3, 4, 5], [2, 2])], ours.spec_results
+    )
+    (p,) = parity_problems(ours, low, cfg, "T")
+    assert "tau: vLLM 1.500 vs ours 4.000" in p and "draft slot 1" in p
+    assert "num_speculative_tokens=3" in p and "target_layer_ids [1, 3]" in p
+    other = _served(
+        [_gen([5, 6, 0, 0, 0], [4]), _gen([1, 2, 3, 4, 5], [4])],
+        [_gen([5, 6, 0, 0, 0], [4]), _gen([1, 2, 3, 4, 5], [4])],
+    )
+    with pytest.raises(UserError, match="target: vLLM's plain greedy output differs from ours"):
+        check_parity(ours, other, cfg, "T")
