@@ -504,6 +504,40 @@ class EvalConfig:
         "('' = RUN_DIR/heldout.jsonl, written by training; a missing file is an error)",
     )
     seed: int = _f(0, "sampling seed (temperature > 0)", min=0)
+    engine: str = _f(
+        "project",
+        "`eval` command: project = the project's decoding loop; vllm = also the reference loop "
+        "and the export served by vLLM as its DFlash drafter on the same prompts (vLLM's mean "
+        "acceptance length, per-position acceptance, tau per prompt, identity with vLLM's plain "
+        "greedy and with ours; greedy only). vLLM runs from its own venv (eval.vllm_python)",
+        choices=("project", "vllm"),
+    )
+    parity: str = _f(
+        "off",
+        "train/serve parity gate: serve the export in vLLM on a pinned sample (eval.parity_prompts "
+        "held-out prompts) and stop with an error when vLLM's tau or greedy output differs from "
+        "the project's loop. on = at the end of training (after the export) and in `eval`, an "
+        "error where vLLM is missing; auto = the same where vLLM is installed, a warning "
+        "elsewhere; off = never",
+        choices=("off", "auto", "on"),
+    )
+    parity_prompts: int = _f(
+        6,
+        "prompts of the parity gate's pinned sample: the first N reported held-out prompts by id",
+        min=1,
+    )
+    parity_tolerance: float = _f(
+        0.05,
+        "largest relative tau difference (|vLLM - ours| / ours) the parity gate accepts: greedy "
+        "float32 decoding agrees exactly but for rounding near-ties (docs/export.md)",
+        min=0.0,
+        max=1.0,
+    )
+    vllm_python: str = _f(
+        "",
+        "python of the environment vLLM is installed in ('' = $DFLASH_VLLM_PYTHON, else "
+        ".venv-vllm in the working directory or this checkout, built by `make vllm`)",
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.config import Config, load_config
+from dflash_trainer.errors import UserError
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
 from dflash_trainer.eval.metrics import format_table
+from dflash_trainer.eval.served import compare_served, find_vllm_python
 from dflash_trainer.eval.specdecode import evaluate_datasets, load_eval_pair
 from dflash_trainer.models.export import read_training
 
@@ -55,6 +57,16 @@ def run(cfg: Config, args) -> int:
     target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
     results = evaluate_datasets(cfg, target, drafter, block_size)
     print(format_table(results))
+    served = None
+    if cfg.eval.engine == "vllm" or cfg.eval.parity != "off":
+        if (
+            cfg.eval.engine == "vllm"
+            or cfg.eval.parity == "on"
+            or find_vllm_python(cfg.eval.vllm_python)
+        ):
+            served = compare_served(
+                cfg, target, drafter_dir, results, block_size, dtype_label(dtype)
+            )
     payload = {
         "drafter": str(drafter_dir),
         "target": getattr(target, "name", cfg.target.model),
@@ -67,7 +79,17 @@ def run(cfg: Config, args) -> int:
         "dtype": dtype_label(dtype),
         "datasets": {k: v.to_dict() for k, v in results.items()},
     }
+    if served is not None:
+        payload["engine"] = "vllm"
+        for k, v in served.items():
+            payload["datasets"][k]["served"] = v
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(payload, indent=2), encoding="utf-8")
     log.info("eval: wrote %s", output)
+    problems = [f"{k}: {p}" for k, v in (served or {}).items() for p in v["parity_problems"]]
+    if problems and cfg.eval.parity != "off":
+        raise UserError(
+            "train/serve parity failed (vLLM serving the export disagrees with the project's "
+            "loop on the same prompts):\n  - " + "\n  - ".join(problems)
+        )
     return 0

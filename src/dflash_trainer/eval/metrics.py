@@ -41,6 +41,9 @@ class EvalSummary:
     # between the two choices at its first divergent position
     spec_results: list[Any] = field(default_factory=list, repr=False)
     ar_results: list[Any] = field(default_factory=list, repr=False)
+    # the token ids each response answered, when the caller kept them (run_conversations): what
+    # another engine must decode to be compared response by response (eval/served.py)
+    prompts: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
     def tokens_per_s(self) -> float:

@@ -365,3 +365,130 @@ def check_parity(
             "train/serve parity failed (vLLM serving the export disagrees with the project's "
             "loop on the same prompts):\n  - " + "\n  - ".join(problems)
         )
+
+
+def engine_for(cfg: Any, dtype: str, required: bool) -> VLLMEngine | None:
+    """A VLLMEngine for cfg.target in `dtype`; None (with a warning) where vLLM is missing and
+    not `required`, a UserError where it is."""
+    python = find_vllm_python(cfg.eval.vllm_python)
+    why = vllm_unavailable(python)
+    if why:
+        if required:
+            raise UserError(f"vLLM is needed here but cannot run: {why}")
+        log.warning("vLLM not available, served evaluation skipped: %s", why)
+        return None
+    revision = None if str(cfg.target.model).startswith("embedded:") else cfg.target.revision
+    threads = int(getattr(cfg.pipeline, "cpu_threads", 0) or 0)
+    return VLLMEngine(python, engine_target(cfg.target), dtype, revision or None, threads=threads)
+
+
+def parity_gate(
+    cfg: Any,
+    target: Any,
+    drafter: Any,
+    export_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    dtype: str,
+) -> dict | None:
+    """The train/serve parity gate (eval.parity): our loop (`target`, `drafter` = the export as
+    loaded, both in `dtype`) and vLLM serving `export_dir` on the pinned `prompts`, greedy.
+    Returns the figures (None when skipped); raises a UserError naming what diverged."""
+    mode = cfg.eval.parity
+    if mode == "off" or not prompts:
+        return None
+    engine = engine_for(cfg, dtype, required=mode == "on")
+    if engine is None:
+        return None
+    from dflash_trainer.eval.specdecode import evaluate
+
+    block = cfg.eval.block_size or drafter.config.block_size
+    n = cfg.eval.max_new_tokens
+    stop = list(target.eos_token_ids)
+    t0 = time.perf_counter()
+    ours = evaluate(target, drafter, prompts, n, block, warmup=False, progress=False)
+    served = served_evaluate(engine, export_dir, prompts, n, block, stop)
+    out = {
+        "parity/prompts": len(prompts),
+        "parity/tau": ours.tau,
+        "parity/tau_served": served.summary.tau,
+        "parity/served_mean_acceptance_length": served.mean_acceptance_length,
+        "parity/identical_to_ours": sum(
+            a.tokens == b.tokens for a, b in zip(served.summary.spec_results, ours.spec_results)
+        ),
+        "parity/served_lossless": bool(served.summary.lossless),
+        "parity/seconds": time.perf_counter() - t0,
+    }
+    log.info(
+        "train/serve parity on %d pinned prompts x %d tokens (%s): vLLM %s tau %.3f (mean "
+        "acceptance length %.3f), ours %.3f; vLLM output identical to ours on %d, %s",
+        len(prompts),
+        n,
+        dtype,
+        served.vllm_version,
+        served.summary.tau,
+        served.mean_acceptance_length,
+        ours.tau,
+        out["parity/identical_to_ours"],
+        served.summary.lossless_line(),
+    )
+    check_parity(ours, served, drafter.config, engine.target, cfg.eval.parity_tolerance)
+    return out
+
+
+def compare_served(
+    cfg: Any, target: Any, export_dir: str | Path, results: dict, block_size: int, dtype: str
+) -> dict:
+    """`eval --eval.engine=vllm`: for every dataset our loop decoded (`results`: name ->
+    EvalSummary with its prompts), the reference loop's tau and vLLM serving the export on the
+    same prompts, with what diverged (parity_problems). Prints one line per dataset."""
+    from dflash_trainer.eval.reference import reference_tau
+
+    if cfg.eval.temperature > 0:
+        raise UserError(
+            "eval.engine=vllm compares greedy decoding token by token; set --eval.temperature=0."
+        )
+    engine = engine_for(cfg, dtype, required=True)
+    drafter_cfg = _read_config(export_dir)
+    stop = list(target.eos_token_ids)
+    n = cfg.eval.max_new_tokens
+    out = {}
+    for name, ours in results.items():
+        prompts = ours.prompts
+        ref = reference_tau(export_dir, target.model, prompts, n, block_size, stop, progress=False)
+        served = served_evaluate(engine, export_dir, prompts, n, block_size, stop)
+        problems = parity_problems(
+            ours, served, drafter_cfg, engine.target, cfg.eval.parity_tolerance
+        )
+        same = sum(
+            a.tokens == b.tokens for a, b in zip(served.summary.spec_results, ours.spec_results)
+        )
+        out[name] = {
+            "tau": ours.tau,
+            "tau_reference_loop": ref["tau"],
+            "served": served.to_dict(),
+            "identical_to_ours": same,
+            "parity_problems": problems,
+        }
+        print(
+            f"{name}: tau ours {ours.tau:.3f}, reference loop {ref['tau']:.3f}, vLLM "
+            f"{served.vllm_version} {served.summary.tau:.3f} (mean acceptance length "
+            f"{served.mean_acceptance_length:.3f}); vLLM output identical to ours on {same} of "
+            f"{len(prompts)}, {served.summary.lossless_line()}"
+            + ("" if not problems else "; PARITY: " + " | ".join(problems)),
+            flush=True,
+        )
+    return out
+
+
+def _read_config(export_dir: str | Path) -> Any:
+    """The export's drafter settings the parity messages name (config.json)."""
+    from types import SimpleNamespace
+
+    d = json.loads((Path(export_dir) / "config.json").read_text(encoding="utf-8"))
+    dc = d.get("dflash_config", {})
+    return SimpleNamespace(
+        block_size=d.get("block_size"),
+        target_layer_ids=dc.get("target_layer_ids", []),
+        mask_token_id=dc.get("mask_token_id"),
+        rope_theta=d.get("rope_theta"),
+    )

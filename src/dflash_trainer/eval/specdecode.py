@@ -739,7 +739,7 @@ def run_conversations(
     if dtype is not None:
         target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
     tok = target.tokenizer
-    spec, ar, gaps = [], [], []
+    spec, ar, gaps, prompts = [], [], [], []
     with (
         # packed once for all turns: the per-prompt evaluate calls inside find them packed
         packed_linears(target.model, target.lm_head, _unwrap(drafter), enabled=packed),
@@ -754,6 +754,7 @@ def run_conversations(
                 if m["role"] != "user":
                     continue
                 ids = rendering.prompt_ids(tok, history)
+                prompts.append(list(ids))
                 s = evaluate(
                     target,
                     drafter,
@@ -777,6 +778,7 @@ def run_conversations(
     out = summarize(spec, ar, block_size)
     out.decode_dtype = dtype_label(model_dtype(target.model))
     out.tie_gaps = gaps
+    out.prompts = prompts
     return out
 
 

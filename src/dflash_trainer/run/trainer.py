@@ -34,10 +34,13 @@ from dflash_trainer.checkpoint import (
     step_of,
 )
 from dflash_trainer.config import Config
+from dflash_trainer.eval.dtype import drafter_in, dtype_label
+from dflash_trainer.eval.served import parity_gate
 from dflash_trainer.models.export import (
     export_drafter,
     export_dtype,
     export_weights,
+    load_drafter,
     training_record,
 )
 from dflash_trainer.observe.balance import assess as assess_balance
@@ -595,6 +598,27 @@ class Trainer:
         self.mon.log_event(rec, step)
         return rec
 
+    def _parity_gate(self, export_dir: Path | None, reason: str) -> dict | None:
+        """eval.parity: the export served by vLLM on a pinned sample of the reported held-out
+        prompts must match our loop (eval/served.py: parity_gate); a UserError stops the run
+        after the checkpoint and the export are written. Rank 0; skipped after a signal."""
+        if self.cfg.eval.parity == "off" or self.rank != 0 or reason == "signal":
+            return None
+        ev = self.evaluator
+        pinned = sorted(ev.report or ev.validation, key=lambda e: e.id)
+        pinned = pinned[: self.cfg.eval.parity_prompts]
+        if export_dir is None or not pinned:
+            log.warning("parity gate: no export or no held-out prompts to serve; skipped")
+            return None
+        target = ev._eval_target()  # in eval.dtype
+        # the export as written (its stored dtype), then cast like every evaluation
+        drafter = drafter_in(load_drafter(export_dir, target.device), ev.dtype)
+        prompts = [e.prompt for e in pinned]
+        rec = parity_gate(self.cfg, target, drafter, export_dir, prompts, dtype_label(ev.dtype))
+        if rec:
+            self.mon.log_event(rec, self.loop.state.step)
+        return rec
+
     def _export_final(self) -> Path | None:
         if self.rank != 0:
             return None
@@ -630,6 +654,9 @@ class Trainer:
                 merged.update(merge_snapshots(self.dist.snapshots(), self.parts.world_size))
             final_eval = self._evaluate_at_end(reason)
             export_dir = self._export_final()
+            parity = self._parity_gate(export_dir, reason)
+            if parity:
+                final_eval = {**final_eval, **parity}
         finally:
             if self.bar is not None:
                 self.bar.close()
