@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
             p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
             p.add_argument("--limit", type=int, default=0, help="only the first N prompts (0=all)")
+            p.add_argument(
+                "--engine",
+                default="auto",
+                choices=["auto", "hf", "vllm"],
+                help="hf = the project's batched decode loop; vllm = vLLM's offline engine (its "
+                "own venv: make vllm; --eval.vllm_python), sampling parameters recorded in each "
+                "record's provenance; auto = vllm where installed, else hf",
+            )
         if name == "train":
             p.add_argument(
                 "--nproc",

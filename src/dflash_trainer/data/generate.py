@@ -20,6 +20,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -276,6 +277,45 @@ def _generate_batch(target, chunk, settings, pad_id, seed, provenance, rendering
     return records, new_tokens
 
 
+def _generate_vllm(vllm, target, todo, settings, seed, provenance, rendering) -> tuple:
+    """Records for every prompt of `todo` from one vLLM engine call, and the new tokens they
+    hold (the stop token counted, as in the HF path)."""
+    if vllm is None:
+        raise UserError("generate: engine vllm needs a vLLM engine (models/vllm_engine.py).")
+    stop = [int(s) for s in target.eos_token_ids]
+    res = vllm.run(
+        [t[2] for t in todo],
+        settings["max_new_tokens"],
+        stop_ids=stop,
+        temperature=settings["temperature"],
+        top_p=settings["top_p"],
+        seed=seed,
+        mode="generate",
+    )
+    sampling = {
+        "engine": "vllm",
+        "vllm_version": res.get("vllm_version"),
+        "dtype": vllm.dtype,
+        "sampling": {
+            "temperature": settings["temperature"],
+            "top_p": settings["top_p"],
+            "max_tokens": settings["max_new_tokens"],
+            "seed": seed,
+            "stop_token_ids": stop,
+        },
+    }
+    tok = target.tokenizer
+    records, new_tokens = [], 0
+    for (pid, msgs, _), r in zip(todo, res["results"]):
+        row = [int(t) for t in r["tokens"]]
+        stopped = bool(row) and row[-1] in stop
+        text = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
+        prov = {**provenance, **sampling, "finish_reason": "stop" if stopped else "length"}
+        records.append(answer_record(rendering, pid, msgs, text, prov))
+        new_tokens += len(row)
+    return records, new_tokens
+
+
 def generate_responses(
     target,
     prompts,
@@ -288,6 +328,8 @@ def generate_responses(
     rendering: Rendering | None = None,
     seed: int = 0,
     progress: bool = True,
+    engine: str = "hf",
+    vllm: Any = None,
 ) -> dict:
     """Append one record per not-yet-done prompt to `out_path`. Returns counts and tokens/s.
 
@@ -296,6 +338,9 @@ def generate_responses(
     `Rendering()`, chat). Greedy when temperature == 0, else sampled with temperature/top_p.
     Batches are left padded; prompts are sorted by length so a batch wastes little padding.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
+    `engine`: "hf" = the batched decode loop here (decode_batch); "vllm" = vLLM's offline engine
+    (`vllm`: a models/vllm_engine.VLLMEngine serving this target), all prompts in one engine call
+    (resumable per call, not per batch), its sampling parameters in each record's provenance.
     """
     rendering = rendering or Rendering()
     if max_new_tokens < 1 or batch_size < 1:
@@ -330,6 +375,17 @@ def generate_responses(
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
     t0 = time.perf_counter()
+    if engine == "vllm":
+        records, stats["new_tokens"] = _generate_vllm(
+            vllm, target, todo, settings, seed, provenance, rendering
+        )
+        _append_records(path, records)
+        stats["written"] = len(records)
+        stats["seconds"] = time.perf_counter() - t0
+        stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
+        return stats
+    if engine != "hf":
+        raise UserError(f"generate: engine '{engine}' is not one of hf, vllm.")
     with showing_progress(
         len(todo) + len(done), initial=len(done), desc="generate", unit="prompt", enabled=progress
     ) as bar:
