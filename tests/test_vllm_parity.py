@@ -76,3 +76,42 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
     assert s.lossless, s.lossless_line()
     assert abs(s.tau - ours.tau) <= PARITY_TOLERANCE * ours.tau, (s.tau, ours.tau)
     check_parity(ours, served, drafter.config, engine.target)  # the gate agrees: no error
+
+
+@pytest.mark.slow
+def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path):
+    """`generate --engine vllm`: the same greedy answers as the project's decode loop (float32),
+    vLLM's sampling parameters in each record's provenance."""
+    import json
+
+    from dflash_trainer.data.generate import generate_responses
+
+    python = find_vllm_python()
+    why = vllm_unavailable(python)
+    if why:
+        if os.environ.get("DFLASH_REQUIRE_VLLM") == "1":
+            pytest.fail(f"DFLASH_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
+        pytest.skip(f"vLLM unavailable: {why}")
+    m = memorised
+    engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
+    how = dict(max_new_tokens=NEW_TOKENS, batch_size=len(m.picked), progress=False)
+    hf = generate_responses(m.target, m.picked, tmp_path / "hf.jsonl", **how)
+    vl = generate_responses(
+        m.target, m.picked, tmp_path / "vllm.jsonl", engine="vllm", vllm=engine, **how
+    )
+
+    def read(name):
+        recs = [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
+        return {r["id"]: r for r in recs}
+
+    a, b = read("hf.jsonl"), read("vllm.jsonl")
+    same = sum(a[k]["messages"][-1] == b[k]["messages"][-1] for k in a)
+    print(
+        f"\ngenerate on {len(a)} prompts x {NEW_TOKENS} tokens (float32): hf "
+        f"{hf['tokens_per_s']:.1f} tok/s, vllm {vl['tokens_per_s']:.1f} tok/s (engine start "
+        f"included); identical answers {same} of {len(a)}"
+    )
+    assert a.keys() == b.keys() and same == len(a)
+    prov = next(iter(b.values()))["provenance"]
+    assert prov["engine"] == "vllm" and prov["sampling"]["temperature"] == 0.0
+    assert prov["sampling"]["max_tokens"] == NEW_TOKENS and prov["sampling"]["stop_token_ids"]
