@@ -36,6 +36,7 @@ from memorised import BLOCK, NEW_TOKENS
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # two vLLM engine starts (~30-55 s each on 2 busy cores) + decoding
 def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
     python = find_vllm_python()
     why = vllm_unavailable(python)
@@ -49,8 +50,16 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
     drafter = load_drafter(m.export_dir, "cpu", torch.float32)
     stop = m.target.eos_token_ids
     with torch.inference_mode():
+        # no AR baseline: vLLM's plain greedy is the baseline, and it must equal our output
         ours = evaluate(
-            m.target, drafter, m.prompt_ids, NEW_TOKENS, BLOCK, warmup=False, progress=False
+            m.target,
+            drafter,
+            m.prompt_ids,
+            NEW_TOKENS,
+            BLOCK,
+            baseline=False,
+            warmup=False,
+            progress=False,
         )
         ref = reference_tau(
             m.export_dir, m.target.model, m.prompt_ids, NEW_TOKENS, BLOCK, stop, progress=False
@@ -71,7 +80,7 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
         f"{served.wall_s:.0f} s"
     )
     assert ours.tau > 3.0, ours.tau  # the drafter did memorise: parity at high acceptance
-    assert ours.lossless, ours.lossless_line()
+    assert [r.tokens for r in s.ar_results] == [r.tokens for r in ours.spec_results]
     assert [r.tokens for r in s.spec_results] == [r.tokens for r in ours.spec_results]
     assert s.lossless, s.lossless_line()
     assert abs(s.tau - ours.tau) <= PARITY_TOLERANCE * ours.tau, (s.tau, ours.tau)
@@ -79,6 +88,7 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path):
     """`generate --engine vllm`: the same greedy answers as the project's decode loop (float32),
     vLLM's sampling parameters in each record's provenance."""
