@@ -51,3 +51,22 @@ def test_parity_gate_names_what_diverged():
     )
     with pytest.raises(UserError, match="target: vLLM's plain greedy output differs from ours"):
         check_parity(ours, other, cfg, "T")
+
+
+def test_generate_engine_choice(tmp_path, monkeypatch):
+    from dflash_trainer.commands import generate as cmd
+    from dflash_trainer.config import Config
+
+    cfg = Config()
+    assert cmd._engine(cfg, "hf", 10**9) == ("hf", None)
+    assert cmd._engine(cfg, "auto", cmd.AUTO_VLLM_MIN_BUDGET - 1) == ("hf", None)  # small job
+    cfg.eval.vllm_python = str(tmp_path / "nowhere" / "python")
+    with pytest.raises(UserError, match="does not exist"):
+        cmd._engine(cfg, "vllm", 10**6)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").touch()
+    (tmp_path / "venv" / ".unavailable").write_text("no wheel for this platform")
+    cfg.eval.vllm_python = str(tmp_path / "venv" / "bin" / "python")
+    assert cmd._engine(cfg, "auto", 10**6) == ("hf", None)  # auto: not installed -> the loop
+    with pytest.raises(UserError, match="no wheel for this platform"):
+        cmd._engine(cfg, "vllm", 10**6)
