@@ -70,3 +70,35 @@ def test_generate_engine_choice(tmp_path, monkeypatch):
     assert cmd._engine(cfg, "auto", 10**6) == ("hf", None)  # auto: not installed -> the loop
     with pytest.raises(UserError, match="no wheel for this platform"):
         cmd._engine(cfg, "vllm", 10**6)
+
+
+def test_the_parity_gate_runs_after_the_export_and_stops_the_run(tmp_path, monkeypatch):
+    """eval.parity=on: train() serves the written export on the pinned held-out sample (the
+    engine is replaced here: tests/test_vllm_parity.py runs the real one) and a divergence stops
+    the run with the gate's error, the checkpoint and export already on disk."""
+    from dflash_trainer.run import train, trainer
+    from tiny import tiny_config, tiny_dataset, tiny_target
+
+    seen = {}
+
+    def gate(cfg, target, drafter, export_dir, prompts, dtype):
+        seen.update(
+            export=export_dir, prompts=prompts, dtype=dtype, block=drafter.config.block_size
+        )
+        raise UserError("train/serve parity failed: tau: vLLM 1.000 vs ours 2.000")
+
+    monkeypatch.setattr(trainer, "parity_gate", gate)
+    ds = tiny_dataset(n=16)
+    over = {"eval.parity": "on", "eval.parity_prompts": 2, "eval.max_new_tokens": 4}
+    cfg = tiny_config(tmp_path, **over)
+    with pytest.raises(UserError, match="parity failed"):
+        train(
+            cfg,
+            target=tiny_target(),
+            train_set=ds.subset(range(12)),
+            heldout=ds.subset(range(12, 16)),
+        )
+    assert (
+        seen["export"] == tmp_path / "run" / "export" and (seen["export"] / "config.json").is_file()
+    )
+    assert len(seen["prompts"]) == 2 and seen["dtype"] == "float32" and seen["block"] == 4
