@@ -60,6 +60,9 @@ def test_generate_engine_choice(tmp_path, monkeypatch):
     cfg = Config()
     assert cmd._engine(cfg, "hf", 10**9) == ("hf", None)
     assert cmd._engine(cfg, "auto", cmd.AUTO_VLLM_MIN_BUDGET - 1) == ("hf", None)  # small job
+    cfg.target.dtype = "float32"
+    assert cmd._engine(cfg, "auto", 10**9) == ("hf", None)  # float32: the two run alike
+    cfg.target.dtype = "bfloat16"
     cfg.eval.vllm_python = str(tmp_path / "nowhere" / "python")
     with pytest.raises(UserError, match="does not exist"):
         cmd._engine(cfg, "vllm", 10**6)

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                 choices=["auto", "hf", "vllm"],
                 help="hf = the project's batched decode loop; vllm = vLLM's offline engine (its "
                 "own venv: make vllm; --eval.vllm_python), sampling parameters recorded in each "
-                "record's provenance; auto = vllm where installed, else hf",
+                "record's provenance; auto = vllm where installed (bf16/fp16 targets, jobs of "
+                ">= 2048 prompts x tokens), else hf",
             )
         if name == "train":
             p.add_argument(
