@@ -41,10 +41,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_trainer.bench_harness import cpu_model
 from dflash_trainer.config import load_config
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
+from dflash_trainer.models.precision import cpu_kind, use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.prefetcher import build_batch
 from dflash_trainer.run import train
@@ -91,7 +91,9 @@ def make_cfg(run_dir: str, steps: int, schedule: str, extra=()):
 
 def _autocast(cfg):
     """The drafter's compute precision as the trainer applies it (bf16 autocast in the preset)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.pipeline.precision == "bf16")
+    return torch.autocast(
+        "cpu", dtype=torch.bfloat16, enabled=use_autocast(cfg.pipeline.precision, "cpu")
+    )
 
 
 CPU_S: list[float] = []  # process CPU seconds / wall seconds of each run_ours call
@@ -230,7 +232,7 @@ def bound_only(steps: int, repeats: int) -> None:
         print(f"bound repeat {r}: {json.dumps(b)}", file=sys.stderr)
     print(
         f"balanced pipeline / sequential, stages alone: {statistics.median(bounds):.3f} "
-        f"({min(bounds):.3f}-{max(bounds):.3f}), threads {b['pipelined_threads']}, {cpu_model()}"
+        f"({min(bounds):.3f}-{max(bounds):.3f}), threads {b['pipelined_threads']}, {cpu_kind()}"
     )
 
 
@@ -329,7 +331,7 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
-        "machine": f"{cpu_model()}, {os.cpu_count()} CPU threads, torch {torch.__version__}",
+        "machine": f"{cpu_kind()}, {os.cpu_count()} CPU threads, torch {torch.__version__}",
         "tokens_per_s": med,
         "pipelined_vs_fixed_split": ratio("pipelined", "fixed_split"),
         "drafter_bound_shared_vs_fixed": ratio("heavy_shared", "heavy_fixed"),
