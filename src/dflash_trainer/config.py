@@ -333,6 +333,14 @@ class PipelineConfig:
         "time, starting from target_thread_share; false = the fixed target_thread_share split "
         "(pipeline/cores.py)",
     )
+    share_trial_windows: int = _f(
+        3,
+        "with share_cores: measure it first, alternating windows of 8 drafter steps with "
+        "sharing on and off, this many of each, and keep the mode that trains more tokens per "
+        "second (0 = share without measuring)",
+        unit="windows",
+        min=0,
+    )
     feature_cache_gb: float = _f(
         0.0,
         "CPU runs: keep each sample's tapped target features in host memory after its first "

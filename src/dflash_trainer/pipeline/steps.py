@@ -251,7 +251,8 @@ class DrafterStep:
         self.timer.stop(tok, self.stream)
         t3 = time.perf_counter_ns()
         if self.cores is not None:
-            self.cores.record("drafter", t3 - t0, self._threads_now)
+            tokens = hb.input_ids.numel()  # a shape: no device read
+            self.cores.record("drafter", t3 - t0, self._threads_now, tokens, hb.from_cache)
         if counters is not None:
             counters.add_phase("drafter_fwd", t1 - t0)
             counters.add_phase("drafter_bwd", t2 - t1)

@@ -98,7 +98,9 @@ def share_cores(cfg: Config, hs_q, cache, drafter_threads: int, target_threads: 
     if not park and cache is None:
         return None
     total = drafter_threads + target_threads
-    return CoreShare(hs_q, drafter_threads, total, park=park, adapt=park)
+    return CoreShare(
+        hs_q, drafter_threads, total, park=park, adapt=park, trial_windows=p.share_trial_windows
+    )
 
 
 def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[int, list[int]]:
