@@ -41,7 +41,13 @@ from dflash_trainer.models.layer_map import (
     norm_scale,
     source_tensors,
 )
-from dflash_trainer.models.target_layout import first_source_layer, target_shapes, text_config
+from dflash_trainer.models.target_layout import (
+    first_source_layer,
+    layer_type,
+    rope_theta,
+    target_shapes,
+    text_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +105,12 @@ def check_copied_layers(drafter: nn.Module, target, start: int) -> list[float]:
         err = layer_error(d_layer, target.layers[src], target.model, src, drafter.config.rope_theta)
         errs.append(err)
         if err > LAYER_TOL:
-            why = differences(target.layers[src], target.model.config, src) or [
+            tcfg = target.model.config
+            why = differences(target.layers[src], tcfg, src)
+            theta, ours = rope_theta(tcfg, layer_type(tcfg, src))[0], drafter.config.rope_theta
+            if theta != ours:
+                why.insert(0, f"RoPE base {ours:g} (the target's layer {src} uses {theta:g})")
+            why = why or [
                 "for a reason this check does not name (an unknown family: please report it "
                 "with the model name)"
             ]

@@ -161,8 +161,8 @@ def layer_error(
     t = copy.deepcopy(t_layer).to("cpu", torch.float32).eval()
     d = copy.deepcopy(d_layer).to("cpu", torch.float32).eval()
     acfg = getattr(t.self_attn, "config", None)
-    if acfg is not None and getattr(acfg, "_attn_implementation", None) not in ("eager", "sdpa"):
-        acfg._attn_implementation = "sdpa"  # a GPU kernel (flash) on a CPU copy
+    if acfg is not None:  # eager: the copy returns its attention probabilities
+        acfg._attn_implementation = "eager"
     window = getattr(text_config(tcfg), "sliding_window", None)
     S = min(seq_len, int(window)) if window else seq_len
     H = int(d.input_layernorm.weight.shape[0])
@@ -176,25 +176,52 @@ def layer_error(
         kw["layer_type"] = layer_type(tcfg, layer_idx)
     cos, sin = rot(x, pos, **kw)
     mask = torch.full((S, S), float("-inf")).triu(1)[None, None]
+    probs = {}
+    hook = t.self_attn.register_forward_hook(
+        lambda _m, _i, o: probs.__setitem__("want", o[1] if isinstance(o, tuple) else None)
+    )
     out = t(
         hidden_states=x,
         position_embeddings=(cos.float(), sin.float()),
         attention_mask=mask,
         position_ids=pos,
     )
+    hook.remove()
     want = (out[0] if isinstance(out, tuple) else out) - x
 
     if not has_qk_norm(t):  # the drafter's one imposed difference (module docstring)
         d.self_attn.q_norm, d.self_attn.k_norm = nn.Identity(), nn.Identity()
     rope = rope_cos_sin(pos, d.self_attn.head_dim, rope_theta, torch.float32)
 
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
+    def attend(q, k, v):  # plain causal attention, its probabilities kept
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        p = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask, dim=-1)
+        probs["got"] = p
+        return p @ v
 
     got = d(x, rope, attend) - x
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    if probs.get("want") is not None:
+        # A random-initialised target's attention is nearly uniform, so its output hardly
+        # depends on the scores; its attention logits still do (RoPE base, scale, q/k norms).
+        err = max(err, _logit_error(probs["got"], probs["want"].float()))
+    return err
+
+
+def _logit_error(p_got: torch.Tensor, p_want: torch.Tensor) -> float:
+    """Relative difference of two causal attention maps' logits (log-probabilities centred per
+    row over the visible positions)."""
+    S = p_want.shape[-1]
+    seen = torch.ones(S, S, dtype=torch.bool).tril()
+    n = seen.sum(-1, keepdim=True)
+
+    def centred(p):
+        lp = torch.where(seen, p.clamp_min(1e-30).log(), 0.0)
+        return torch.where(seen, lp - lp.sum(-1, keepdim=True) / n, 0.0)
+
+    a, b = centred(p_got), centred(p_want)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 # ------------------------------------------------------------------------- naming the cause
