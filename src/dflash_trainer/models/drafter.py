@@ -83,8 +83,10 @@ class DFlashConfig:
         Shape fields at 0 take the target's (what init=target needs); the RoPE base, at 0, is
         the target's for the layers the drafter starts from (drafter_rope_theta)."""
         tcfg = target.model.config
-        shapes = target_shapes(tcfg)
-        pick = {k: getattr(drafter_cfg, k) or shapes[k] for k in SHAPE_FIELDS}
+        pick = {k: getattr(drafter_cfg, k) for k in SHAPE_FIELDS}
+        if not all(pick.values()):  # read the target's only where asked to
+            shapes = target_shapes(tcfg)
+            pick = {k: v or shapes[k] for k, v in pick.items()}
         return cls(
             hidden_size=int(target.hidden_size),
             num_layers=drafter_cfg.num_layers,
