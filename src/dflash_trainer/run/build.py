@@ -128,7 +128,7 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
         except Unmappable as e:
             raise UserError(
                 f"drafter.init=target: {e}. Start from random weights (--drafter.init=random), "
-                "or copy other layers of this target (--drafter.init_tap) if they differ."
+                "or, where only some of its layers differ, copy others (--drafter.init_tap)."
             ) from None
         except ValueError as e:
             raise UserError(f"drafter.init=target: {e}.") from None
