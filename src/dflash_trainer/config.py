@@ -188,8 +188,10 @@ class DrafterConfig:
     init: str = _f(
         "random",
         "starting weights: random (N(0, init_std)), or target = the target's last num_layers "
-        "layers, its final norm, and an fc that passes the deepest tapped feature through "
-        "(needs the target's head layout and MLP width; a mismatch names the tensor)",
+        "layers, its final norm, and an fc that passes the deepest tapped feature through; "
+        "checked at start-up to compute what the target's layers compute, refused (naming "
+        "what differs) where the target's layers cannot be mapped onto the drafter's "
+        "(docs/families.md)",
         choices=("random", "target"),
     )
     init_tap: int = _f(
@@ -200,10 +202,11 @@ class DrafterConfig:
         min=-1,
     )
     num_layers: int = _f(2, "drafter decoder layers", min=1, max=64)
-    num_heads: int = _f(9, "attention query heads", min=1)
-    num_kv_heads: int = _f(3, "attention key/value heads (GQA)", min=1)
-    head_dim: int = _f(64, "attention head dim", min=8)
-    intermediate_size: int = _f(1536, "SwiGLU MLP width", unit="features", min=1)
+    # 0 = the target's: what init=target needs, and a user should not have to type it
+    num_heads: int = _f(0, "attention query heads; 0 = the target's", min=0)
+    num_kv_heads: int = _f(0, "attention key/value heads (GQA); 0 = the target's", min=0)
+    head_dim: int = _f(0, "attention head dim; 0 = the target's", min=0)
+    intermediate_size: int = _f(0, "SwiGLU MLP width; 0 = the target's", unit="features", min=0)
     block_size: int = _f(
         16, "tokens per draft block (slot 0 = anchor/bonus token)", unit="tokens", min=2, max=64
     )
@@ -720,7 +723,7 @@ def list_presets() -> list[str]:
 def validate(cfg: Config) -> Config:
     """Cross-field checks that a single field's range cannot express."""
     d = cfg.drafter
-    if d.num_heads % d.num_kv_heads:
+    if d.num_heads and d.num_kv_heads and d.num_heads % d.num_kv_heads:
         raise ConfigError(
             f"drafter.num_heads ({d.num_heads}) must be a multiple of "
             f"drafter.num_kv_heads ({d.num_kv_heads})."

@@ -21,6 +21,7 @@ positions; block K/V are never kept, so the cache holds context only (dflash-met
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,15 @@ from torch import nn
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.attention import block_attention
+from dflash_trainer.models.target_layout import (
+    SHAPE_FIELDS,
+    first_source_layer,
+    layer_type,
+    target_shapes,
+)
+from dflash_trainer.models.target_layout import rope_theta as target_rope_theta
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,22 +79,24 @@ class DFlashConfig:
     @classmethod
     def from_configs(cls, drafter_cfg, target) -> DFlashConfig:
         """Drafter section of the run config + a loaded target (TargetModel or a duck type with
-        .hidden_size .num_layers .layer_ids .vocab_size .model.config [.tokenizer])."""
+        .hidden_size .num_layers .layer_ids .vocab_size .model.config [.tokenizer]).
+        Shape fields at 0 take the target's (what init=target needs); the RoPE base, at 0, is
+        the target's for the layers the drafter starts from (drafter_rope_theta)."""
         tcfg = target.model.config
-        theta = float(drafter_cfg.rope_theta) or _target_rope_theta(tcfg)
+        pick = {k: getattr(drafter_cfg, k) for k in SHAPE_FIELDS}
+        if not all(pick.values()):  # read the target's only where asked to
+            shapes = target_shapes(tcfg)
+            pick = {k: v or shapes[k] for k, v in pick.items()}
         return cls(
             hidden_size=int(target.hidden_size),
             num_layers=drafter_cfg.num_layers,
-            num_heads=drafter_cfg.num_heads,
-            num_kv_heads=drafter_cfg.num_kv_heads,
-            head_dim=drafter_cfg.head_dim,
-            intermediate_size=drafter_cfg.intermediate_size,
+            **pick,
             block_size=drafter_cfg.block_size,
             target_layer_ids=list(target.layer_ids),
             num_target_layers=int(target.num_layers),
             mask_token_id=resolve_mask_token_id(drafter_cfg.mask_token_id, target),
             vocab_size=int(target.vocab_size),
-            rope_theta=theta,
+            rope_theta=drafter_rope_theta(drafter_cfg, target),
             rms_norm_eps=drafter_cfg.rms_norm_eps,
             max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", None) or 40960),
             attention=drafter_cfg.attention,
@@ -92,17 +104,31 @@ class DFlashConfig:
         )
 
 
-def _target_rope_theta(tcfg) -> float:
-    # transformers 5 moved rope_theta into config.rope_parameters; 4.x keeps it top-level.
-    rp = getattr(tcfg, "rope_parameters", None)
-    if isinstance(rp, dict):
-        if "rope_theta" in rp:
-            return float(rp["rope_theta"])
-        for sub in rp.values():  # per-layer-type form {"full_attention": {...}}
-            if isinstance(sub, dict) and "rope_theta" in sub:
-                return float(sub["rope_theta"])
-    theta = getattr(tcfg, "rope_theta", None)
-    return float(theta) if theta else 10000.0
+def drafter_rope_theta(drafter_cfg, target) -> float:
+    """drafter.rope_theta, or at 0 the target's base for the layers the drafter stands for:
+    with init=target the type of the first copied layer (Gemma 3: a sliding layer's local
+    base, a full layer's global one), else the target's global (full-attention) base. Logged
+    with where it came from, also when the target's config names none."""
+    if drafter_cfg.rope_theta:
+        return float(drafter_cfg.rope_theta)
+    tcfg = target.model.config
+    ltype, why = None, ""
+    if getattr(drafter_cfg, "init", "random") == "target":
+        try:
+            src = first_source_layer(
+                drafter_cfg.num_layers,
+                int(target.num_layers),
+                list(target.layer_ids),
+                drafter_cfg.init_tap,
+            )
+        except ValueError:
+            src = None  # init_from_target reports it
+        if src is not None:
+            ltype = layer_type(tcfg, src)
+            why = f", the type of copied layer {src}" if ltype else ""
+    theta, where = target_rope_theta(tcfg, ltype)
+    log.info("drafter RoPE base %g (%s%s)", theta, where, why)
+    return theta
 
 
 def resolve_mask_token_id(configured: int, target) -> int:

@@ -20,6 +20,7 @@ from dflash_trainer.errors import UserError
 from dflash_trainer.models.attention import resolve_impl
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.init_target import init_from_target, warm_start
+from dflash_trainer.models.layer_map import Unmappable
 from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.cores import CoreShare
@@ -125,13 +126,14 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
     drafter = DFlashDrafter(dcfg)
     if cfg.drafter.init == "target":
         try:
-            init_from_target(drafter, target.layers, target.final_norm, cfg.drafter.init_tap)
-        except ValueError as e:
+            init_from_target(drafter, target, cfg.drafter.init_tap)
+        except Unmappable as e:
             raise UserError(
-                f"drafter.init=target: {e}. Use drafter.init=random, or drafter shapes equal "
-                "to the target's."
+                f"drafter.init=target: {e}. Start from random weights (--drafter.init=random), "
+                "or, where only some of its layers differ, copy others (--drafter.init_tap)."
             ) from None
-        log.info("drafter starts from the target's last %d layers", dcfg.num_layers)
+        except ValueError as e:
+            raise UserError(f"drafter.init=target: {e}.") from None
     return drafter.to(device)
 
 
