@@ -84,6 +84,9 @@ def make_cfg(run_dir: str, steps: int, schedule: str, extra=()):
             "--metrics.console=false",
             "--metrics.tensorboard=false",
             "--checkpoint.keep_last=1",
+            # A few dozen steps cannot finish the sharing trial (pipeline/cores.py): the rows
+            # measure sharing itself against the fixed split, what the trial chooses between.
+            "--pipeline.share_trial_windows=0",
             *extra,
         ],
     )
@@ -265,6 +268,33 @@ def overhead_only(steps: int, repeats: int) -> None:
     print(json.dumps(result))
 
 
+def sharing_only(steps: int, repeats: int) -> None:
+    """Core sharing as shipped against the fixed split, at the preset's shape: sharing itself
+    (trial off), the fixed split, and the default policy (the trial decides, then the rest of
+    the run keeps its verdict), in alternating triples of `steps`-step runs."""
+    cfg = load_config("smollm2-cpu")
+    target = TargetModel.load(cfg.target, "cpu")
+    ds = synthetic_dataset(400, target.vocab_size)
+    run_ours(target, ds, 2, "pipelined")  # warm-up
+    modes = {
+        "shared": [],
+        "fixed": ["--pipeline.share_cores=false"],
+        "trial": ["--pipeline.share_trial_windows=3"],  # the default, after make_cfg's 0
+    }
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(repeats):
+        for m, extra in modes.items():
+            rates[m].append(run_ours(target, ds, steps, "pipelined", extra=extra))
+        print(f"repeat {r}: " + ", ".join(f"{m} {v[-1]:.0f}" for m, v in rates.items()))
+    for m in ("shared", "trial"):
+        rs = [a / b for a, b in zip(rates[m], rates["fixed"])]
+        print(
+            f"{m} / fixed split: {statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f}), "
+            f"{steps} steps x {repeats} repeats, {cpu_kind()}"
+        )
+    print(json.dumps({"steps": steps, "repeats": repeats, "tok_s": rates, "cpu": cpu_kind()}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -279,8 +309,15 @@ def main() -> None:
         action="store_true",
         help="only the schedule bound (stages alone at their pipelined and at all threads)",
     )
+    ap.add_argument(
+        "--sharing",
+        action="store_true",
+        help="only core sharing (itself and as the trial decides) vs the fixed split, long runs",
+    )
     args = ap.parse_args()
     steps, repeats = (6, 1) if args.quick else (12, 3)
+    if args.sharing:
+        return sharing_only(steps=80, repeats=3)
     if args.overhead:
         return overhead_only(steps=20, repeats=4)
     if args.bound:
