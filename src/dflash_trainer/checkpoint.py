@@ -27,6 +27,7 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -295,7 +296,7 @@ def list_checkpoints(run_dir) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.glob("step-*") if step_of(p) is not None and p.is_dir()]
-    return sorted(done, key=step_of)
+    return sorted(done, key=lambda p: step_of(p) or 0)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -483,7 +484,7 @@ def plan_resume(
     ranks = meta.get("ranks")
     skip_meta = meta.get("epoch_skip") or {}
     epoch_skip = list(skip_meta.get("samples", [])) if skip_meta.get("epoch") == base.epoch else []
-    common = dict(path=path, meta=meta, rank=rank, seed=seed)
+    common: dict[str, Any] = dict(path=path, meta=meta, rank=rank, seed=seed)
     if saved_world == world_size:
         if not ranks:
             return ResumePlan(state=base, epoch_skip=epoch_skip or None, rng="saved", **common)

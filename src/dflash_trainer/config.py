@@ -41,7 +41,7 @@ def _f(
 ) -> Any:
     meta = {"help": help, "unit": unit, "choices": choices, "min": min, "max": max}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=meta)
     return field(default=default, metadata=meta)
 
 

@@ -24,6 +24,7 @@ import os
 import zlib
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -195,10 +196,10 @@ def prompt_record(cid: str, messages: list[dict], source: str, data_format: str)
 
 
 def write_split_files(run_dir: Path, convs, train, heldout, data_format: str = "chat") -> None:
-    by_id = {}
+    by_id: dict[str, Any] = {}
     for c in convs:
         by_id.setdefault(c.id, c)
-    lines = {REPORT: [], VALIDATION: []}
+    lines: dict[str, list[str]] = {REPORT: [], VALIDATION: []}
     for cid, src, role in zip(heldout.ids, heldout.sources, heldout.roles):
         c = by_id.get(cid)
         if c is None:

@@ -23,9 +23,17 @@ _ACC_RE = re.compile(r"^drafter/acc[_/]?(\d+)$")
 _TAU_RE = re.compile(r"^eval/(tau|tau_sim)(?:/([^/]+))?$")
 
 
+def _acc_pos(key: str) -> int:
+    """k of a drafter/acc_k key (one `_keys` matched with _ACC_RE)."""
+    m = _ACC_RE.match(key)
+    assert m is not None, key
+    return int(m[1])
+
+
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     """(metrics records, event records); unreadable lines (a torn last line) are skipped."""
-    rows, events = [], []
+    rows: list[dict] = []
+    events: list[dict] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             line = line.strip()
@@ -134,7 +142,7 @@ class _Report:
 
     def accuracy(self, fname: str, window: int) -> None:
         title = "Per-position accuracy (last window)"
-        keys = sorted(_keys(self.rows, _ACC_RE.pattern), key=lambda k: int(_ACC_RE.match(k)[1]))
+        keys = sorted(_keys(self.rows, _ACC_RE.pattern), key=_acc_pos)
         last = [r for r in self.rows if any(k in r for k in keys)][-window:]
         if not keys or not last:
             self.sections.append((title, None, "no drafter/acc_{k} series in metrics.jsonl"))
@@ -145,7 +153,7 @@ class _Report:
                 r[k] for r in last if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])
             ]
             if vals:
-                pos.append(int(_ACC_RE.match(k)[1]))
+                pos.append(_acc_pos(k))
                 means.append(sum(vals) / len(vals))
         fig, ax = self.plt.subplots(figsize=(9, 3.5))
         ax.bar(pos, means, color="tab:blue")

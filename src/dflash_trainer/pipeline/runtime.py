@@ -38,6 +38,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash_trainer.pipeline.messages import End, StageFailure
@@ -94,7 +95,7 @@ class Supervisor:
     def __init__(
         self,
         *,
-        threads: list[threading.Thread],
+        threads: Sequence[threading.Thread],
         events: queue.Queue,
         stop: threading.Event,
         done: threading.Event,

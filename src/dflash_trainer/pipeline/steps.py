@@ -192,6 +192,7 @@ class DrafterStep:
     def __call__(self, hb: HiddenBatch, step: int, counters=None) -> bool:
         """Consume one micro-batch. Returns True when it completed an optimizer step."""
         if hb.ready_event is not None:
+            assert self.stream is not None  # events exist on CUDA only
             self.stream.wait_event(hb.ready_event)
             for t in (hb.features, hb.input_ids, hb.loss_mask, hb.target_hidden):
                 if t is not None:

@@ -46,7 +46,7 @@ class TargetWorker(Stage):
         self.cores = cores  # CPU: pipeline.cores.CoreShare (parking, borrowing, the split)
         self.team = threads  # this thread's OpenMP team size now
         self._thread_ns, self._team_since = 0, 0  # the current step's thread-ns (set_team)
-        self._ident = None  # this worker's thread, for the decoder-layer hooks
+        self._ident: int | None = None  # this worker's thread, for the decoder-layer hooks
 
     def on_end(self, item: End) -> None:
         self.work_q.put_nowait(item)  # siblings must see it too

@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from dflash_trainer.observe.sinks import build_sinks
 from dflash_trainer.pipeline.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
-from dflash_trainer.pipeline.stage import FaultInjector
+from dflash_trainer.pipeline.stage import FaultInjector, Stage
 from dflash_trainer.pipeline.steps import DrafterStep, TargetStep
 from dflash_trainer.pipeline.workers import (
     DrafterWorker,
@@ -144,7 +145,7 @@ class SteadyRate:
         self.last = (now, tokens)
 
     def rate(self) -> float:
-        if self.first is None or self.last[0] <= self.first[0]:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return 0.0
         return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
 
@@ -311,7 +312,7 @@ class Trainer:
         target_step = TargetStep(
             parts.target, parts.drafter_device, parts.feature_dtype, kd, self.cache
         )
-        self.threads: list[threading.Thread] = [self.prefetcher]
+        self.threads: list[Stage] = [self.prefetcher]
         self.queues = [work_q]
         common = dict(events=self.events, stop=self.stop, faults=faults)
         if not pipelined:
@@ -483,7 +484,8 @@ class Trainer:
         """Snapshot the state at this step boundary and write it: in the background when asked
         and enabled (periodic checkpoints), else before returning (the last one, signals)."""
         parts, loop = self.parts, self.loop
-        extra_meta, extra_blob, gathered = {}, None, None
+        extra_meta: dict[str, Any] = {}
+        extra_blob, gathered = None, None
         if self.dist is not None:
             extra_meta, extra_blob, gathered = self._gather_ranks()
         if self.rank != 0:
