@@ -44,20 +44,20 @@ class TrainState:
     step: int = 0  # optimizer steps done
     micro_step: int = 0  # micro-batches consumed
     epoch: int = 0  # epoch of the next batch to train
-    consumed: list | None = None  # seq_nos of `epoch` already trained (any order)
+    consumed: list[int] = field(default_factory=list)  # seq_nos of `epoch` trained (any order)
     tokens: int = 0
     # Sample ids of `epoch` already trained: lets a run on another world size re-plan the rest
     # of the epoch over the samples no rank has seen (pipeline/distributed.py).
-    consumed_samples: list | None = None
+    consumed_samples: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
             "step": self.step,
             "micro_step": self.micro_step,
             "epoch": self.epoch,
-            "consumed": sorted(self.consumed or []),
+            "consumed": sorted(self.consumed),
             "tokens": self.tokens,
-            "consumed_samples": sorted(self.consumed_samples or []),
+            "consumed_samples": sorted(self.consumed_samples),
         }
 
     @classmethod
@@ -556,6 +556,6 @@ def restore(plan: ResumePlan, *, drafter, optimizer, scheduler, generator, confi
         plan.path,
         st.step,
         st.epoch,
-        len(st.consumed or []),
+        len(st.consumed),
     )
     return st

@@ -163,7 +163,7 @@ def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler
 
 
 def check_taps(cfg: Config, step: TargetStep, name: str) -> None:
-    if not cfg.target.check_taps or not hasattr(step.target, "check_taps"):
+    if not cfg.target.check_taps:
         return
     t0 = time.perf_counter()
     err = step.check()
@@ -270,9 +270,8 @@ class Trainer:
             objective=p.objective,
             embed_weight=p.embed_weight,
             lm_head=p.lm_head,
-            optimizer=p.optimizer,
             scheduler=p.scheduler,
-            guard=p.guard,
+            optim_step=p.optim_step,
             generator=p.generator,
             device=p.drafter_device,
             grad_accum=self.cfg.optim.grad_accum,

@@ -70,7 +70,7 @@ def build_scheduler(
     total_steps: int,
     segments: list | None = None,
     budget: TimeBudget | None = None,
-):
+) -> torch.optim.lr_scheduler.LambdaLR:
     """`segments`: see segmented_lr_lambda (None = a fresh total_steps schedule). `budget`: the
     schedule follows wall time instead (train/budget.py)."""
     if budget is not None:
