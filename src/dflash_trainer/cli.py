@@ -15,7 +15,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from dflash_trainer.config import ConfigError, help_text, list_presets, load_config
+from dflash_trainer.config import ConfigError
+from dflash_trainer.config_io import help_text, list_presets, load_config
 from dflash_trainer.errors import UserError
 
 # name -> one-line help; the command is dflash_trainer.commands.<name>.run(cfg, args) -> exit code.

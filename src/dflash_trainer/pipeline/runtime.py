@@ -25,7 +25,7 @@ run/trainer.py builds and wires them for a run.
 
 Shutdown protocol: the first `StageFailure` on the events queue, a stall, too many consecutive
 skipped steps, or a signal sets the shared stop event. Every blocking call polls it
-(`pipeline.timeout_s`), so each stage leaves within one poll interval; the supervisor joins them
+(`pipeline.poll_s`), so each stage leaves within one poll interval; the supervisor joins them
 with `pipeline.shutdown_deadline_s` and re-raises the failure naming the stage. A stage that exits
 without `End` is a failure. The second SIGINT/SIGTERM exits at once (os._exit).
 """

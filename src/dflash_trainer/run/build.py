@@ -13,7 +13,8 @@ import torch
 
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.checkpoint import ResumePlan, TrainState
-from dflash_trainer.config import Config, to_dict
+from dflash_trainer.config import Config
+from dflash_trainer.config_io import to_dict
 from dflash_trainer.data.batching import plan_epoch, plan_skipping
 from dflash_trainer.data.chat import TokenizedDataset
 from dflash_trainer.data.prepare import prepare_data

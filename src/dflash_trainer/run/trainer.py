@@ -287,7 +287,7 @@ class Trainer:
         pipelined = p.schedule == "pipelined"
         n_targets = len(p.target_devices) if pipelined else 1
         # work_q: the prefetcher -> every target worker (or the sequential worker)
-        work_q = BoundedQueue("work", p.work_queue_size, p.timeout_s, consumers=n_targets)
+        work_q = BoundedQueue("work", p.work_queue_size, p.poll_s, consumers=n_targets)
         t_threads, d_threads = thread_split(cfg)
         state = parts.state
         self.prefetcher = BatchPrefetcher(
@@ -329,7 +329,7 @@ class Trainer:
                 )
             )
             return
-        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.timeout_s, producers=n_targets)
+        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.poll_s, producers=n_targets)
         self.queues.append(hs_q)
         first = parts.target
         targets = [first] if len(p.target_devices) == 1 else replicate_target(cfg, first)
