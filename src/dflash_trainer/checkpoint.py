@@ -5,7 +5,8 @@ Layout under `{run_dir}/checkpoints/`:
     step-000120/            one complete checkpoint (never modified after the rename)
         drafter.safetensors     trainable drafter weights
         optimizer.pt            optimizer + scheduler + RNG state (tensors only: weights_only load)
-        state.json              step, data position, sample-ledger delta, resolved config
+        state.json              step, data position, resolved config
+    (the sample ledger is {run_dir}/ledger.jsonl, appended once a checkpoint is on disk)
         export/                 the drafter in the published DFlash format
     latest                  text file naming the newest complete checkpoint (atomic replace)
 

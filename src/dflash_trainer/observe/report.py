@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash_trainer.errors import UserError
@@ -214,21 +215,8 @@ class _Report:
         return "\n".join(parts)
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(
-            f"{path}: no metrics file; pass a run directory written by "
-            "`dflash-trainer train` (it contains metrics.jsonl)"
-        )
-    rows, events = read_metrics(path)
-    if not rows:
-        raise UserError(f"{path}: contains no metric records yet; run training longer")
-    out = Path(out_dir) if out_dir else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    r = _Report(rows, events, out)
-    k = lambda pat: _keys(rows, pat)  # noqa: E731
+def _stage_charts(r: _Report, k: Callable[[str], list[str]]) -> None:
+    """Throughput per stage; queue depth and starvation."""
     r.lines(
         "throughput.png",
         "Throughput per stage",
@@ -251,6 +239,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             ("producer blocked", k(r"^queue/[^/]+/producer_blocked_frac$"), "queue/"),
         ],
     )
+
+
+def _training_charts(r: _Report, k: Callable[[str], list[str]], num_rows: int) -> None:
+    """Loss, optimizer, per-position accuracy."""
     r.lines(
         "loss.png",
         "Drafter loss",
@@ -274,8 +266,14 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         "update dropped on device; the total so far and the current run of them "
         "(optim.max_consecutive_skips stops training).",
     )
-    window = max(1, len(rows) // 10)
+    window = max(1, num_rows // 10)
     r.accuracy("accuracy.png", window)
+
+
+def _eval_charts(
+    r: _Report, k: Callable[[str], list[str]], rows: list[dict], events: list[dict]
+) -> None:
+    """Acceptance length (training estimate vs decoding), held-out tau during and after training."""
     # Eval results arrive as events (monitor.log_event) and share the step axis. Training's
     # simulated acceptance and the measured tau of real decoding on held-out prompts on one
     # chart: the train-vs-serving check (a wide gap = a train/inference mismatch or overfitting).
@@ -332,6 +330,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         if last
         else "",
     )
+
+
+def _resource_charts(r: _Report, k: Callable[[str], list[str]]) -> None:
+    """Padding efficiency; memory over time."""
     r.lines(
         "padding.png",
         "Padding efficiency",
@@ -345,6 +347,29 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             ("device GiB (NVML)", k(r"^gpu/\d+/mem_used_gib$"), "gpu/"),
         ],
     )
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Plots of RUN_DIR/metrics.jsonl as PNGs and report.html in `out_dir` (default
+    RUN_DIR/report); returns the HTML's path."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(
+            f"{path}: no metrics file; pass a run directory written by "
+            "`dflash-trainer train` (it contains metrics.jsonl)"
+        )
+    rows, events = read_metrics(path)
+    if not rows:
+        raise UserError(f"{path}: contains no metric records yet; run training longer")
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    r = _Report(rows, events, out)
+    k = lambda pat: _keys(rows, pat)  # noqa: E731
+    _stage_charts(r, k)
+    _training_charts(r, k, len(rows))
+    _eval_charts(r, k, rows, events)
+    _resource_charts(r, k)
     html_path = out / "report.html"
     html_path.write_text(r.html(run_dir), encoding="utf-8")
     return html_path

@@ -56,7 +56,7 @@ class StageError(RuntimeError):
 
 @dataclass
 class RunOutcome:
-    reason: str  # "finished" | "max_steps" | "signal"
+    reason: str  # "finished" (max_steps included) | "signal"
     wall_s: float
     failures: list = field(default_factory=list)
 

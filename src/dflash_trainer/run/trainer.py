@@ -522,8 +522,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ running
     def _supervise(self) -> str:
-        """Run the stages to their end; the reason ("finished", "max_steps", "signal",
-        "time_budget")."""
+        """Run the stages to their end; the reason ("finished", at the end of the data or at
+        optim.max_steps; "signal"; "time_budget")."""
         with self.signals:
             if self.start_steps >= self.parts.total_steps:
                 log.info(
