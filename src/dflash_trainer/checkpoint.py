@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +179,7 @@ def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int, expor
         if final.exists():  # re-saving the same step (e.g. signal right after a save)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        latest_tmp = root / f"latest.tmp-{os.getpid()}"
-        latest_tmp.write_text(name + "\n")
-        os.replace(latest_tmp, root / "latest")
+        write_atomic(root / "latest", name + "\n")
         _fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from dflash_trainer.checkpoint import (
     step_of,
 )
 from dflash_trainer.config import Config
+from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import export_drafter, export_weights, training_record
 from dflash_trainer.observe.balance import assess as assess_balance
 from dflash_trainer.observe.flops import FlopsModel
@@ -597,9 +597,7 @@ class Trainer:
         tmp = self.run_dir / "export.tmp"
         record = training_record(self.parts.config_dict, step=self.loop.state.step)
         export_drafter(self.parts.drafter, tmp, training=record)
-        if export_dir.exists():
-            shutil.rmtree(export_dir)
-        os.replace(tmp, export_dir)
+        replace_dir(tmp, export_dir)
         return export_dir
 
     def _release(self) -> None:
