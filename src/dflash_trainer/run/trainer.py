@@ -280,6 +280,24 @@ class Trainer:
         )
         return RecordingRing(ring), step
 
+    def _build_prefetcher(self, work_q: BoundedQueue, faults: FaultInjector) -> BatchPrefetcher:
+        """From this rank's training position (a resume continues inside its epoch)."""
+        cfg, parts, state = self.cfg, self.parts, self.parts.state
+        return BatchPrefetcher(
+            parts.train_set,
+            cfg.batching,
+            work_q,
+            self.stop,
+            self.events,
+            epochs=cfg.optim.epochs,
+            rank=self.rank,
+            world_size=parts.world_size,
+            pin_memory=any(d.startswith("cuda") for d in cfg.pipeline.target_devices),
+            start=(state.epoch, contiguous_prefix(state.consumed)),
+            skip_samples=parts.resume.epoch_skip if parts.resume is not None else None,
+            faults=faults,
+        )
+
     def _build_stages(self) -> None:
         """The prefetcher, then target + drafter workers (pipelined) or one sequential worker."""
         cfg, p, parts = self.cfg, self.cfg.pipeline, self.parts
@@ -289,21 +307,7 @@ class Trainer:
         # work_q: the prefetcher -> every target worker (or the sequential worker)
         work_q = BoundedQueue("work", p.work_queue_size, p.poll_s, consumers=n_targets)
         t_threads, d_threads = thread_split(cfg)
-        state = parts.state
-        self.prefetcher = BatchPrefetcher(
-            parts.train_set,
-            cfg.batching,
-            work_q,
-            self.stop,
-            self.events,
-            epochs=cfg.optim.epochs,
-            rank=self.rank,
-            world_size=parts.world_size,
-            pin_memory=any(d.startswith("cuda") for d in p.target_devices),
-            start=(state.epoch, contiguous_prefix(state.consumed)),
-            skip_samples=parts.resume.epoch_skip if parts.resume is not None else None,
-            faults=faults,
-        )
+        self.prefetcher = self._build_prefetcher(work_q, faults)
         # KD and hidden regression: the target step also hands over its final hidden states.
         kd = parts.objective.needs_target_hidden
         self.cache = feature_cache(cfg, parts)
