@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.eval import specdecode as sd

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.models.precision import cpu_has_native_bf16, cpu_kind, dtype_name
 from dflash_trainer.models.target import TargetModel
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.messages import Batch, WorkItem

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
 from dflash_trainer.models.precision import cpu_kind, use_autocast

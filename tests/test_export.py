@@ -145,7 +145,8 @@ def test_config_errors(exported, tmp_path):
 
 
 def test_training_record_keeps_the_target_revision():
-    from dflash_trainer.config import Config, to_dict
+    from dflash_trainer.config import Config
+    from dflash_trainer.config_io import to_dict
     from dflash_trainer.models.export import training_record
 
     cfg = Config()

@@ -444,7 +444,8 @@ def test_revision_of_a_local_target_is_refused(target_dir):
 
 
 def test_unknown_attn_implementation_is_a_config_error():
-    from dflash_trainer.config import ConfigError, load_config
+    from dflash_trainer.config import ConfigError
+    from dflash_trainer.config_io import load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(None, None, ["--target.attn_implementation=flash_attn2"])

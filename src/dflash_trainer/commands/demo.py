@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,16 +138,17 @@ def _heldout_checks(cfg: Config, eval_target, export_dir, report, dtype, block) 
     chosen = [e for e in report if e.source == "mt-bench"] or report
     prompts = [e.prompt for e in chosen]
     bars = cfg.metrics.console
-    how = dict(baseline=False, progress=bars, packed=cfg.target.packed_linear)
+    how: dict[str, Any] = dict(baseline=False, progress=bars, packed=cfg.target.packed_linear)
     spec = evaluate(eval_target, drafter, prompts, n, block, **how)
-    ar = evaluate(eval_target, None, prompts, n, 1, **how).spec_results
+    # None: plain decoding (eval.specdecode.evaluate's annotation lacks it)
+    ar = evaluate(eval_target, None, prompts, n, 1, **how).spec_results  # type: ignore[arg-type]
     s = summarize(spec.spec_results, ar, block)
     stop = eval_target.eos_token_ids
     ref = reference_tau(export_dir, eval_target.model, prompts, n, block, stop, progress=bars)
     print(format_table({chosen[0].source: s}), flush=True)
     # One replay of every reported prompt; acceptance_lengths follow `report`'s order.
-    sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report])
-    sim = sim.run(drafter, n, block, progress=bars)
+    tau_sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report])
+    sim = tau_sim.run(drafter, n, block, progress=bars)
     sims = {
         src: mean_tau([a for e, a in zip(report, sim.acceptance_lengths) if e.source == src])
         for src in sorted({e.source for e in report})

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -274,19 +274,19 @@ class DrafterCache:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         cur, add = self._len[layer], k.shape[2]
-        buf = self._k[layer]
-        if buf is None or cur + add > buf.shape[2]:
-            cap = max(256, 2 * (buf.shape[2] if buf is not None else 0), cur + add)
+        bk, bv = self._k[layer], self._v[layer]
+        if bk is None or bv is None or cur + add > bk.shape[2]:
+            cap = max(256, 2 * (bk.shape[2] if bk is not None else 0), cur + add)
             nk = k.new_empty(*k.shape[:2], cap, k.shape[3])
             nv = v.new_empty(*v.shape[:2], cap, v.shape[3])
-            if cur:
-                nk[:, :, :cur] = self._k[layer][:, :, :cur]
-                nv[:, :, :cur] = self._v[layer][:, :, :cur]
-            self._k[layer], self._v[layer] = nk, nv
-        self._k[layer][:, :, cur : cur + add] = k
-        self._v[layer][:, :, cur : cur + add] = v
+            if cur and bk is not None and bv is not None:
+                nk[:, :, :cur] = bk[:, :, :cur]
+                nv[:, :, :cur] = bv[:, :, :cur]
+            self._k[layer], self._v[layer] = bk, bv = nk, nv
+        bk[:, :, cur : cur + add] = k
+        bv[:, :, cur : cur + add] = v
         self._len[layer] = cur + add
-        return self._k[layer][:, :, : cur + add], self._v[layer][:, :, : cur + add]
+        return bk[:, :, : cur + add], bv[:, :, : cur + add]
 
     def crop(self, n: int) -> None:
         """Keep the first n context entries (e.g. after a rejected draft)."""
@@ -355,7 +355,7 @@ class DFlashDrafter(nn.Module):
         rope_q = self._rope(blk_pos, dt)
         rope_c = self._rope(ctx_pos, dt)
         masks: dict = {}  # one mask / BlockMask for all layers of this forward
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             a = layer.self_attn
             k_ctx, v_ctx = a.project_kv(ctx, *rope_c)
 
@@ -368,6 +368,11 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     # -------------------------------------------------------------------------------- inference
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers`, typed (an nn.ModuleList yields plain Modules)."""
+        return cast("list[DecoderLayer]", list(self.layers))
+
     def new_cache(self) -> DrafterCache:
         return DrafterCache(self.config.num_layers)
 
@@ -396,9 +401,9 @@ class DFlashDrafter(nn.Module):
             ctx = self.fuse(new_features)
             p0 = cache.length
             rope_c = self._rope(torch.arange(p0, p0 + C, device=dev).expand(B, C), ctx.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             a = layer.self_attn
-            if ctx is not None:
+            if ctx is not None and rope_c is not None:
                 k_ctx, v_ctx = cache.append(i, *a.project_kv(ctx, *rope_c))
             else:
                 k_ctx, v_ctx = cache.keys[i], cache.values[i]

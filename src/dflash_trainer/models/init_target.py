@@ -27,7 +27,6 @@ import dataclasses
 import logging
 
 import torch
-from torch import nn
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.drafter import DFlashDrafter
@@ -63,7 +62,7 @@ def _shape_hint(tcfg) -> str:
     return f"pass the target's: {flags} (or leave them at 0, the target's), or drafter.init=random"
 
 
-def target_init_pairs(drafter: nn.Module, target, start: int):
+def target_init_pairs(drafter: DFlashDrafter, target, start: int):
     """Every (drafter tensor, source value, drafter tensor name) the target init sets, checked:
     Unmappable names a layer part with no counterpart (models/layer_map.py), ValueError a
     shape that differs (with the values to pass). Drafter layer i copies target layer
@@ -96,7 +95,7 @@ def target_init_pairs(drafter: nn.Module, target, start: int):
     return pairs
 
 
-def check_copied_layers(drafter: nn.Module, target, start: int) -> list[float]:
+def check_copied_layers(drafter: DFlashDrafter, target, start: int) -> list[float]:
     """layer_error for every copied layer; Unmappable naming what differs where one does not
     compute its target layer's function. Returns the errors."""
     errs = []
@@ -123,7 +122,7 @@ def check_copied_layers(drafter: nn.Module, target, start: int) -> list[float]:
 
 
 @torch.no_grad()
-def init_from_target(drafter: nn.Module, target, init_tap: int = -1) -> list[str]:
+def init_from_target(drafter: DFlashDrafter, target, init_tap: int = -1) -> list[str]:
     """Start the drafter from the target (see the module docstring): its last layers
     (init_tap -1), or those right after tapped layer init_tap; then check that every copied
     layer computes its target layer's function (models/layer_map.py). Raises Unmappable (the

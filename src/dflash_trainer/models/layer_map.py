@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,18 +86,20 @@ def source_tensors(t_layer: nn.Module, tcfg, hidden: int) -> dict[str, torch.Ten
     if attn is None or mlp is None:
         raise Unmappable(f"{kind} has no self_attn/mlp (not a Llama-style decoder layer)")
     out: dict[str, torch.Tensor] = {}
-    if _weight(attn, "qkv_proj") is not None:  # Phi-3: q, k, v stacked on the output dim
+    qkv = _weight(attn, "qkv_proj")
+    if qkv is not None:  # Phi-3: q, k, v stacked on the output dim
         heads, kv = int(c.num_attention_heads), int(c.num_key_value_heads or c.num_attention_heads)
         hd = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-        q, k, v = _weight(attn, "qkv_proj").split([heads * hd, kv * hd, kv * hd], dim=0)
+        q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], dim=0)
         out.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k})
         out["self_attn.v_proj.weight"] = v
     for name in ("q_proj", "k_proj", "v_proj"):
         w = _weight(attn, name)
         if w is not None:
             out[f"self_attn.{name}.weight"] = w
-    if _weight(attn, "o_proj") is not None:
-        out["self_attn.o_proj.weight"] = _weight(attn, "o_proj")
+    o_proj = _weight(attn, "o_proj")
+    if o_proj is not None:
+        out["self_attn.o_proj.weight"] = o_proj
     missing = [
         n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if f"self_attn.{n}.weight" not in out
     ]
@@ -104,8 +107,9 @@ def source_tensors(t_layer: nn.Module, tcfg, hidden: int) -> dict[str, torch.Ten
         raise Unmappable(
             f"its attention ({type(attn).__name__}) has no {'/'.join(missing)} to copy"
         )
-    if _weight(mlp, "gate_up_proj") is not None and _weight(mlp, "down_proj") is not None:
-        gate, up = _weight(mlp, "gate_up_proj").chunk(2, dim=0)  # Phi-3: gate first
+    gate_up = _weight(mlp, "gate_up_proj")
+    if gate_up is not None and _weight(mlp, "down_proj") is not None:
+        gate, up = gate_up.chunk(2, dim=0)  # Phi-3: gate first
         out.update({"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up})
     for name in ("gate_proj", "up_proj", "down_proj"):
         w = _weight(mlp, name)
@@ -158,8 +162,9 @@ def layer_error(
     the residual stream, on the same random hidden states at positions 0..seq_len-1 (causal
     attention; fp32 copies of both; within every sliding window). See the module docstring."""
     tcfg = target_model.config
-    t = copy.deepcopy(t_layer).to("cpu", torch.float32).eval()
-    d = copy.deepcopy(d_layer).to("cpu", torch.float32).eval()
+    # Any: HF's layer classes and ours, reached by attribute (nn.Module's __getattr__ is untyped)
+    t: Any = copy.deepcopy(t_layer).to("cpu", torch.float32).eval()
+    d: Any = copy.deepcopy(d_layer).to("cpu", torch.float32).eval()
     acfg = getattr(t.self_attn, "config", None)
     if acfg is not None:  # eager: the copy returns its attention probabilities
         acfg._attn_implementation = "eager"
@@ -176,7 +181,7 @@ def layer_error(
         kw["layer_type"] = layer_type(tcfg, layer_idx)
     cos, sin = rot(x, pos, **kw)
     mask = torch.full((S, S), float("-inf")).triu(1)[None, None]
-    probs = {}
+    probs: dict[str, Any] = {}  # "want": the target's attention probabilities, "got": ours
     hook = t.self_attn.register_forward_hook(
         lambda _m, _i, o: probs.__setitem__("want", o[1] if isinstance(o, tuple) else None)
     )
