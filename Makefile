@@ -54,11 +54,13 @@ vllm: $(VLLM_STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -x --durations=15
 
-# ruff (lint + format check) and import-linter (the layers contract in pyproject.toml).
+# ruff (lint + format check), import-linter (the layers contract in pyproject.toml) and mypy
+# (types; [tool.mypy] in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
 	PYTHONPATH=src $(VENV)/bin/lint-imports  # this checkout's package, not the editable install's
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests bench

@@ -42,14 +42,14 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.bench_harness import cpu_model
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.eval.specdecode import ar_generate, spec_generate
 from dflash_trainer.models.export import export_drafter, load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
+from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.run.build import build_drafter
 
@@ -229,7 +229,7 @@ def main() -> None:
     ar_step = sum(t["ar"]) / tokens["ar"]
     cycle = sum(t["spec"]) / cycles  # prefill included: conservative
     result = {
-        "machine": cpu_model(),
+        "machine": cpu_kind(),
         "kernels": args.kernels,
         "prompts": len(prompts),
         "max_new_tokens": n,

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.bench_harness import cpu_model
-from dflash_trainer.config import load_config
-from dflash_trainer.models.precision import cpu_has_native_bf16, dtype_name
+from dflash_trainer.config_io import load_config
+from dflash_trainer.models.precision import cpu_has_native_bf16, cpu_kind, dtype_name
 from dflash_trainer.models.target import TargetModel
 
 
@@ -53,7 +52,7 @@ def main() -> None:
     tok = args.rows * args.seq
     rate = {k: tok / statistics.median(v) for k, v in times.items()}
     out = {
-        "cpu": cpu_model(),
+        "cpu": cpu_kind(),
         "native_bf16": cpu_has_native_bf16(),
         "auto_picks": dtype_name("auto", "cpu"),
         "fp32_tok_s": round(rate["float32"], 1),

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.run.build import build_drafter

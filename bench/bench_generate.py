@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.bench_harness import cpu_model
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.data import embedded, generate
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import decode_batch, prompt_messages
 from dflash_trainer.models.packed_linear import packed_linears
+from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 
 
@@ -138,7 +138,7 @@ def main() -> None:
         if k != "one_at_a_time"
     }
     out = {
-        "cpu": cpu_model(),
+        "cpu": cpu_kind(),
         "prompts": len(rows),
         "max_new_tokens": n,
         "batch_size": bsz,

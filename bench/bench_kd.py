@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.bench_harness import cpu_model
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
+from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.messages import Batch, WorkItem
 from dflash_trainer.pipeline.steps import TargetStep
@@ -82,7 +82,7 @@ def main() -> None:
         t_drafter[kd] = _median_time(step, args.repeats)
     tok = B * S
     out = {
-        "cpu": cpu_model(),
+        "cpu": cpu_kind(),
         "rows": B,
         "seq": S,
         "anchors": cfg.drafter.num_anchors,

@@ -41,10 +41,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_trainer.bench_harness import cpu_model
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
+from dflash_trainer.models.precision import cpu_kind, use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.prefetcher import build_batch
 from dflash_trainer.run import train
@@ -84,6 +84,9 @@ def make_cfg(run_dir: str, steps: int, schedule: str, extra=()):
             "--metrics.console=false",
             "--metrics.tensorboard=false",
             "--checkpoint.keep_last=1",
+            # A few dozen steps cannot finish the sharing trial (pipeline/cores.py): the rows
+            # measure sharing itself against the fixed split, what the trial chooses between.
+            "--pipeline.share_trial_windows=0",
             *extra,
         ],
     )
@@ -91,7 +94,9 @@ def make_cfg(run_dir: str, steps: int, schedule: str, extra=()):
 
 def _autocast(cfg):
     """The drafter's compute precision as the trainer applies it (bf16 autocast in the preset)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.pipeline.precision == "bf16")
+    return torch.autocast(
+        "cpu", dtype=torch.bfloat16, enabled=use_autocast(cfg.pipeline.precision, "cpu")
+    )
 
 
 CPU_S: list[float] = []  # process CPU seconds / wall seconds of each run_ours call
@@ -230,7 +235,7 @@ def bound_only(steps: int, repeats: int) -> None:
         print(f"bound repeat {r}: {json.dumps(b)}", file=sys.stderr)
     print(
         f"balanced pipeline / sequential, stages alone: {statistics.median(bounds):.3f} "
-        f"({min(bounds):.3f}-{max(bounds):.3f}), threads {b['pipelined_threads']}, {cpu_model()}"
+        f"({min(bounds):.3f}-{max(bounds):.3f}), threads {b['pipelined_threads']}, {cpu_kind()}"
     )
 
 
@@ -263,6 +268,33 @@ def overhead_only(steps: int, repeats: int) -> None:
     print(json.dumps(result))
 
 
+def sharing_only(steps: int, repeats: int) -> None:
+    """Core sharing as shipped against the fixed split, at the preset's shape: sharing itself
+    (trial off), the fixed split, and the default policy (the trial decides, then the rest of
+    the run keeps its verdict), in alternating triples of `steps`-step runs."""
+    cfg = load_config("smollm2-cpu")
+    target = TargetModel.load(cfg.target, "cpu")
+    ds = synthetic_dataset(400, target.vocab_size)
+    run_ours(target, ds, 2, "pipelined")  # warm-up
+    modes = {
+        "shared": [],
+        "fixed": ["--pipeline.share_cores=false"],
+        "trial": ["--pipeline.share_trial_windows=3"],  # the default, after make_cfg's 0
+    }
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(repeats):
+        for m, extra in modes.items():
+            rates[m].append(run_ours(target, ds, steps, "pipelined", extra=extra))
+        print(f"repeat {r}: " + ", ".join(f"{m} {v[-1]:.0f}" for m, v in rates.items()))
+    for m in ("shared", "trial"):
+        rs = [a / b for a, b in zip(rates[m], rates["fixed"])]
+        print(
+            f"{m} / fixed split: {statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f}), "
+            f"{steps} steps x {repeats} repeats, {cpu_kind()}"
+        )
+    print(json.dumps({"steps": steps, "repeats": repeats, "tok_s": rates, "cpu": cpu_kind()}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -277,8 +309,15 @@ def main() -> None:
         action="store_true",
         help="only the schedule bound (stages alone at their pipelined and at all threads)",
     )
+    ap.add_argument(
+        "--sharing",
+        action="store_true",
+        help="only core sharing (itself and as the trial decides) vs the fixed split, long runs",
+    )
     args = ap.parse_args()
     steps, repeats = (6, 1) if args.quick else (12, 3)
+    if args.sharing:
+        return sharing_only(steps=80, repeats=3)
     if args.overhead:
         return overhead_only(steps=20, repeats=4)
     if args.bound:
@@ -329,7 +368,7 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
-        "machine": f"{cpu_model()}, {os.cpu_count()} CPU threads, torch {torch.__version__}",
+        "machine": f"{cpu_kind()}, {os.cpu_count()} CPU threads, torch {torch.__version__}",
         "tokens_per_s": med,
         "pipelined_vs_fixed_split": ratio("pipelined", "fixed_split"),
         "drafter_bound_shared_vs_fixed": ratio("heavy_shared", "heavy_fixed"),

@@ -38,9 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_trainer.bench_harness import cpu_model
-from dflash_trainer.config import load_config, set_value
+from dflash_trainer.config_io import load_config, set_value
 from dflash_trainer.data.prepare import prepare_data
+from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.run import train
 
@@ -127,7 +127,7 @@ def main() -> None:
             f"| {c['recipe']} | {c['budget_s']:.0f} | {c['steps']} | {c['tau']:.3f} | {per} "
             f"| {c['tau_sim']:.3f} |"
         )
-    summary = {"machine": cpu_model(), "cells": cells}
+    summary = {"machine": cpu_kind(), "cells": cells}
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))

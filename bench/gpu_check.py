@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import synthetic_dataset  # noqa: E402
-from dflash_trainer.config import load_config  # noqa: E402
+from dflash_trainer.config_io import load_config  # noqa: E402
 from dflash_trainer.models.target import TargetModel, tap_layer_ids  # noqa: E402
 from dflash_trainer.observe.flops import peak_tflops  # noqa: E402
 from dflash_trainer.observe.report import read_metrics  # noqa: E402

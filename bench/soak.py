@@ -48,7 +48,7 @@ def main() -> None:
     rng = random.Random(a.seed)
     ds = tiny_dataset(n=40)
     if a.embedded:
-        from dflash_trainer.config import load_config
+        from dflash_trainer.config_io import load_config
         from dflash_trainer.models.target import TargetModel
 
         target = TargetModel.load(load_config("smollm2-cpu").target, "cpu")
@@ -76,7 +76,7 @@ def main() -> None:
         }
         cfg = tiny_config(run, **over)
         if a.embedded:
-            from dflash_trainer.config import set_value
+            from dflash_trainer.config_io import set_value
 
             for k, v in (
                 ("drafter.num_heads", 9),

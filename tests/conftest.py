@@ -1,9 +1,50 @@
-"""Shared fixtures: tiny local tokenizers with real chat templates (no model hub)."""
+"""Shared fixtures: tiny local tokenizers with real chat templates (no model hub), and the CPU
+kind every test runs under.
+
+What `auto` picks (target.dtype, pipeline.precision) depends on the CPU: bf16 where it has bf16
+matmuls (AVX512-BF16, AMX), fp32 elsewhere (models/precision.py). So that the suite computes the
+same on every machine, the whole session answers the probe one way through its one seam,
+DFLASH_TRAINER_CPU_NATIVE_BF16 (inherited by the CLI subprocesses tests start):
+`--native-bf16=0` (default: an AVX2-only CPU), `=1` (a bf16-native CPU), `=probe` (this machine's
+own answer). A test whose expectation depends on the answer takes the `cpu_native_bf16` fixture
+and runs under both answers on every machine, asserting what each kind must do.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+from dflash_trainer.models.precision import NATIVE_BF16_ENV
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--native-bf16",
+        choices=["0", "1", "probe"],
+        default="0",
+        help="the CPU kind the suite simulates: 0 = no native bf16 (AVX2), 1 = AVX512-BF16/AMX, "
+        "probe = this machine's own answer (default 0)",
+    )
+
+
+def pytest_configure(config):
+    # Session-wide, before any fixture (module-scoped targets are loaded under it too).
+    answer = config.getoption("--native-bf16")
+    if answer == "probe":
+        os.environ.pop(NATIVE_BF16_ENV, None)
+    else:
+        os.environ[NATIVE_BF16_ENV] = answer
+
+
+@pytest.fixture(params=[False, True], ids=["cpu-fp32", "cpu-bf16"])
+def cpu_native_bf16(request, monkeypatch) -> bool:
+    """Run the test once as on a CPU without native bf16 and once as on one with it."""
+    monkeypatch.setenv(NATIVE_BF16_ENV, "1" if request.param else "0")
+    return request.param
+
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

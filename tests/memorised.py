@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import generate_responses

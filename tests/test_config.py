@@ -1,9 +1,9 @@
 import pytest
 
 from dflash_trainer.cli import main
-from dflash_trainer.config import (
-    Config,
-    ConfigError,
+from dflash_trainer.config import RENAMED, Config, ConfigError
+from dflash_trainer.config_io import (
+    all_keys,
     from_dict,
     help_text,
     list_presets,
@@ -82,7 +82,7 @@ def test_help_lists_every_field_with_unit_and_default():
     text = help_text()
     assert "--batching.max_tokens=<int>" in text and "unit: tokens" in text
     assert "default: 6e-4" in text.replace("0.0006", "6e-4")
-    from dflash_trainer.config import all_keys
+    from dflash_trainer.config_io import all_keys
 
     missing = [k for k in all_keys() if f"--{k}=" not in text]
     assert not missing
@@ -94,3 +94,179 @@ def test_cli_config_show_and_errors(capsys):
     assert "lr = 0.5" in out and "[drafter]" in out
     assert main(["config", "show", "--optim.lrr=1"]) == 2
     assert "Did you mean '--optim.lr'" in capsys.readouterr().err
+
+
+# Every config key, by section. A rename or a removal changes this table on purpose: keep the old
+# key in config.RENAMED (an error that names the new one) and update presets, README and docs.
+PINNED_KEYS = {
+    "": ["run_dir", "overwrite"],
+    "data": [
+        "sources",
+        "on_bad_record",
+        "max_length",
+        "overlong",
+        "min_supervised",
+        "eval_fraction",
+        "truncated",
+        "format",
+        "chat_template",
+        "cache_dir",
+        "roots",
+    ],
+    "batching": [
+        "max_tokens",
+        "max_batch_size",
+        "pad_multiple",
+        "num_buckets",
+        "seed",
+        "sort_window",
+    ],
+    "target": [
+        "model",
+        "revision",
+        "attn_implementation",
+        "dtype",
+        "num_taps",
+        "taps",
+        "trust_remote_code",
+        "cache_dir",
+        "enable_thinking",
+        "packed_linear",
+        "check_taps",
+    ],
+    "drafter": [
+        "init",
+        "init_tap",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "block_size",
+        "num_anchors",
+        "mask_token_id",
+        "gamma",
+        "rms_norm_eps",
+        "rope_theta",
+        "attention",
+        "loss_chunk_blocks",
+        "init_std",
+        "init_from",
+        "weighting",
+        "dpace_alpha",
+        "feature_noise",
+        "kd_weight",
+        "kd_temperature",
+        "loss_slots",
+        "hidden_weight",
+    ],
+    "optim": [
+        "lr",
+        "min_lr_ratio",
+        "warmup_ratio",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "eps",
+        "grad_clip",
+        "epochs",
+        "max_steps",
+        "time_budget_s",
+        "grad_accum",
+        "max_consecutive_skips",
+    ],
+    "pipeline": [
+        "schedule",
+        "target_devices",
+        "drafter_device",
+        "work_queue_size",
+        "hs_queue_size",
+        "cpu_threads",
+        "target_thread_share",
+        "share_cores",
+        "share_trial_windows",
+        "feature_cache_gb",
+        "poll_s",
+        "shutdown_deadline_s",
+        "stall_timeout_s",
+        "seed",
+        "precision",
+        "fault",
+        "collective_timeout_s",
+    ],
+    "checkpoint": [
+        "every_steps",
+        "keep_last",
+        "resume",
+        "resume_from",
+        "async_write",
+        "write_timeout_s",
+        "export_dtype",
+    ],
+    "metrics": [
+        "log_every_s",
+        "tick_s",
+        "wandb",
+        "wandb_project",
+        "wandb_entity",
+        "wandb_group",
+        "wandb_tags",
+        "tensorboard",
+        "console",
+        "peak_tflops",
+        "wandb_init_timeout_s",
+        "wandb_finish_timeout_s",
+    ],
+    "eval": [
+        "every_steps",
+        "at_end",
+        "num_prompts",
+        "validation_fraction",
+        "validation_prompts",
+        "dtype",
+        "tau_sim",
+        "max_new_tokens",
+        "block_size",
+        "verify",
+        "temperature",
+        "datasets",
+        "top_p",
+        "heldout_path",
+        "seed",
+        "engine",
+        "parity",
+        "parity_prompts",
+        "parity_tolerance",
+        "vllm_python",
+    ],
+}
+
+
+def test_the_set_of_config_keys_is_pinned():
+    got: dict[str, list[str]] = {}
+    for key in all_keys():
+        section, _, name = key.rpartition(".")
+        got.setdefault(section, []).append(name)
+    assert got == PINNED_KEYS
+
+
+@pytest.mark.parametrize("old,new", sorted(RENAMED.items()))
+def test_a_renamed_key_is_an_error_that_names_the_new_one(tmp_path, old, new):
+    assert new in all_keys() and old not in all_keys()
+    with pytest.raises(ConfigError, match=f"'--{old}'.*renamed to '--{new}'"):
+        load_config(None, None, [f"--{old}=1"])
+    section, _, name = old.rpartition(".")
+    toml = tmp_path / "old.toml"
+    toml.write_text(f"[{section}]\n{name} = 1\n")
+    with pytest.raises(ConfigError, match=f"'{old}'.*renamed to '{new}'"):
+        load_config(None, str(toml))
+    # a config saved by an older version (an export's training.json) reads under the new name
+    cfg = load_config(None, None, [], base={section: {name: 2}})
+    assert get_value(cfg, new) == 2
+
+
+def get_value(cfg, key):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj

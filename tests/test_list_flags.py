@@ -5,7 +5,8 @@ import typing
 
 import pytest
 
-from dflash_trainer.config import ConfigError, iter_fields, load_config, parse_list
+from dflash_trainer.config import ConfigError
+from dflash_trainer.config_io import iter_fields, load_config, parse_list
 
 LIST_KEYS = [k for k, _, tp in iter_fields() if typing.get_origin(tp) is list]
 

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from dflash_trainer.models.precision import resolve_dtype, use_autocast
 from dflash_trainer.pipeline.runtime import StageError
 from dflash_trainer.run import train
 from dflash_trainer.run.trainer import SteadyRate
@@ -206,6 +207,23 @@ def test_bf16_target_with_fp32_drafter_on_cpu(tmp_path):
     cfg = tiny_config(tmp_path, **{"optim.epochs": 1})
     res = train(cfg, target=target, train_set=tiny_dataset())
     assert res.steps > 0 and all(m["loss"] == m["loss"] for _, m in res.history)
+
+
+def test_auto_dtypes_follow_the_cpu_and_train(tmp_path, cpu_native_bf16):
+    """What `auto` picks on each kind of CPU, end to end: a target in the dtype target.dtype=auto
+    resolves to, and the drafter under pipeline.precision=auto (bf16 autocast where bf16 is
+    native, fp32 elsewhere), trains with finite losses on both kinds."""
+    dtype = resolve_dtype("auto", "cpu")
+    assert dtype == (torch.bfloat16 if cpu_native_bf16 else torch.float32)
+    assert use_autocast("auto", "cpu") == cpu_native_bf16
+    target = tiny_target()
+    target.model.to(dtype)
+    target.dtype = dtype
+    target.embed_weight = target.model.get_input_embeddings().weight
+    cfg = tiny_config(tmp_path, **{"optim.epochs": 1, "pipeline.precision": "auto"})
+    res = train(cfg, target=target, train_set=tiny_dataset())
+    losses = [m["loss"] for _, m in res.history]
+    assert res.steps > 0 and losses and all(torch.isfinite(torch.tensor(losses)))
 
 
 @pytest.mark.parametrize("schedule", ["pipelined", "sequential"])

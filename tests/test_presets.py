@@ -4,7 +4,7 @@
 import pytest
 
 from dflash_trainer.cli import main
-from dflash_trainer.config import load_config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.errors import UserError
 from dflash_trainer.run import train
 from dflash_trainer.run.build import require_sources

@@ -14,7 +14,8 @@ from dflash_trainer.checkpoint import (
     list_checkpoints,
     write_checkpoint,
 )
-from dflash_trainer.config import ConfigError, load_config
+from dflash_trainer.config import ConfigError
+from dflash_trainer.config_io import load_config
 from dflash_trainer.errors import UserError
 from dflash_trainer.run import train
 from dflash_trainer.run.rundir import earlier_run, prepare

@@ -652,7 +652,7 @@ def test_load_prompt_file_errors(tmp_path):
 def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
     export = pytest.importorskip("dflash_trainer.models.export")
     target_mod = pytest.importorskip("dflash_trainer.models.target")
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config_io import load_config
 
     model = tiny_target("qwen3", seed=8)
     drafter = _real_drafter(model, block_size=8)
@@ -713,7 +713,7 @@ def test_smollm2_fp32_random_drafter_lossless():
     """The real embedded target (SmolLM2-135M, fp32) with a random-init drafter through evaluate."""
     target_mod = pytest.importorskip("dflash_trainer.models.target")
     drafter_mod = pytest.importorskip("dflash_trainer.models.drafter")
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config_io import load_config
     from dflash_trainer.errors import UserError
 
     cfg = load_config("smollm2-cpu", None, ["--target.dtype=float32"])

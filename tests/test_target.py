@@ -302,7 +302,17 @@ def test_embedded_attributes(smollm2):
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
     assert target.eos_token_ids == [2]
     assert target.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
-    assert target.name == "embedded:smollm2" and target.dtype == torch.float32
+    assert target.name == "embedded:smollm2"
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_embedded_auto_dtype_follows_the_cpu(cpu_native_bf16):
+    """target.dtype=auto: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere."""
+    target = TargetModel.load(TargetConfig(), "cpu")
+    want = torch.bfloat16 if cpu_native_bf16 else torch.float32
+    assert target.dtype == want
+    assert next(target.model.parameters()).dtype == want
 
 
 @pytest.mark.slow
@@ -434,7 +444,8 @@ def test_revision_of_a_local_target_is_refused(target_dir):
 
 
 def test_unknown_attn_implementation_is_a_config_error():
-    from dflash_trainer.config import ConfigError, load_config
+    from dflash_trainer.config import ConfigError
+    from dflash_trainer.config_io import load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(None, None, ["--target.attn_implementation=flash_attn2"])

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from dflash_trainer.config import MetricsConfig, load_config
+from dflash_trainer.config import MetricsConfig
+from dflash_trainer.config_io import load_config
 from dflash_trainer.observe.sinks import WANDB_ID_FILE, WandbSink, build_sinks
 from dflash_trainer.run import train
 from tiny import tiny_config, tiny_dataset, tiny_target

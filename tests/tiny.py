@@ -84,7 +84,7 @@ def tiny_dataset(
 
 
 def tiny_config(tmp_path, **over) -> Config:
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config_io import load_config
 
     flags = {
         "run_dir": str(tmp_path / "run"),
@@ -105,7 +105,7 @@ def tiny_config(tmp_path, **over) -> Config:
         "optim.lr": 3e-3,
         "optim.warmup_ratio": 0.0,
         "pipeline.cpu_threads": 2,
-        "pipeline.timeout_s": 0.05,
+        "pipeline.poll_s": 0.05,
         "metrics.tick_s": 0.05,
         "metrics.log_every_s": 0.2,
         "metrics.wandb": "off",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.models.precision import cpu_has_native_bf16
+from dflash_trainer.models.precision import cpu_kind
 
 
 def find_bench_dir(start: Path | None = None) -> Path:
@@ -323,23 +322,9 @@ ADAPTERS = {
 }
 
 
-def cpu_model() -> str:
-    """The CPU's model name (e.g. 'AMD EPYC', 'Intel Xeon ...') and whether it has native bf16
-    matmuls (AVX512-BF16/AMX): benchmark ratios depend on both."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name} ({'native bf16' if cpu_has_native_bf16() else 'no native bf16'})"
-
-
 def machine() -> str:
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu_model()}, {os.cpu_count()} CPU threads, {dev}, torch {torch.__version__}"
+    return f"{cpu_kind()}, {os.cpu_count()} CPU threads, {dev}, torch {torch.__version__}"
 
 
 def run_all(bdir: Path, quick: bool = False, only: list[str] | None = None) -> list[dict]:

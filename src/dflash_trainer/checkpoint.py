@@ -5,7 +5,8 @@ Layout under `{run_dir}/checkpoints/`:
     step-000120/            one complete checkpoint (never modified after the rename)
         drafter.safetensors     trainable drafter weights
         optimizer.pt            optimizer + scheduler + RNG state (tensors only: weights_only load)
-        state.json              step, data position, sample-ledger delta, resolved config
+        state.json              step, data position, resolved config
+    (the sample ledger is {run_dir}/ledger.jsonl, appended once a checkpoint is on disk)
         export/                 the drafter in the published DFlash format
     latest                  text file naming the newest complete checkpoint (atomic replace)
 
@@ -27,11 +28,13 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +46,20 @@ class TrainState:
     step: int = 0  # optimizer steps done
     micro_step: int = 0  # micro-batches consumed
     epoch: int = 0  # epoch of the next batch to train
-    consumed: list | None = None  # seq_nos of `epoch` already trained (any order)
+    consumed: list[int] = field(default_factory=list)  # seq_nos of `epoch` trained (any order)
     tokens: int = 0
     # Sample ids of `epoch` already trained: lets a run on another world size re-plan the rest
     # of the epoch over the samples no rank has seen (pipeline/distributed.py).
-    consumed_samples: list | None = None
+    consumed_samples: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
             "step": self.step,
             "micro_step": self.micro_step,
             "epoch": self.epoch,
-            "consumed": sorted(self.consumed or []),
+            "consumed": sorted(self.consumed),
             "tokens": self.tokens,
-            "consumed_samples": sorted(self.consumed_samples or []),
+            "consumed_samples": sorted(self.consumed_samples),
         }
 
     @classmethod
@@ -176,9 +179,7 @@ def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int, expor
         if final.exists():  # re-saving the same step (e.g. signal right after a save)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        latest_tmp = root / f"latest.tmp-{os.getpid()}"
-        latest_tmp.write_text(name + "\n")
-        os.replace(latest_tmp, root / "latest")
+        write_atomic(root / "latest", name + "\n")
         _fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -295,7 +296,7 @@ def list_checkpoints(run_dir) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.glob("step-*") if step_of(p) is not None and p.is_dir()]
-    return sorted(done, key=step_of)
+    return sorted(done, key=lambda p: step_of(p) or 0)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -483,7 +484,7 @@ def plan_resume(
     ranks = meta.get("ranks")
     skip_meta = meta.get("epoch_skip") or {}
     epoch_skip = list(skip_meta.get("samples", [])) if skip_meta.get("epoch") == base.epoch else []
-    common = dict(path=path, meta=meta, rank=rank, seed=seed)
+    common: dict[str, Any] = dict(path=path, meta=meta, rank=rank, seed=seed)
     if saved_world == world_size:
         if not ranks:
             return ResumePlan(state=base, epoch_skip=epoch_skip or None, rng="saved", **common)
@@ -555,6 +556,6 @@ def restore(plan: ResumePlan, *, drafter, optimizer, scheduler, generator, confi
         plan.path,
         st.step,
         st.epoch,
-        len(st.consumed or []),
+        len(st.consumed),
     )
     return st

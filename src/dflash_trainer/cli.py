@@ -15,7 +15,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from dflash_trainer.config import ConfigError, help_text, list_presets, load_config
+from dflash_trainer.config import ConfigError
+from dflash_trainer.config_io import help_text, list_presets, load_config
 from dflash_trainer.errors import UserError
 
 # name -> one-line help; the command is dflash_trainer.commands.<name>.run(cfg, args) -> exit code.
@@ -134,15 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """The console handler main() installs (once per process)."""
+
+
 def _setup_console_logging() -> None:
     """Console: INFO one-liners. Tracebacks and DEBUG detail go only to the run's log file
     (trainer.setup_run_logging) or, before a run dir exists, to the fallback error log."""
     root = logging.getLogger()
-    if not any(getattr(h, "_dflash_console", False) for h in root.handlers):
-        h = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _ConsoleHandler) for h in root.handlers):
+        h = _ConsoleHandler(sys.stderr)
         h.setLevel(logging.INFO)
         h.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(message)s", "%H:%M:%S"))
-        h._dflash_console = True
         root.addHandler(h)
     root.setLevel(logging.INFO)
     logging.getLogger("dflash_trainer").setLevel(logging.DEBUG)

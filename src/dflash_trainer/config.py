@@ -1,22 +1,15 @@
-"""Typed configuration: nested dataclasses, one section per component.
+"""Typed configuration: the schema. Nested dataclasses, one section per component.
 
 A component receives only its own section (the target worker never sees the optimizer config).
-Sources, in order of precedence (later wins):
-
-    defaults  <  preset (presets/NAME.toml)  <  --config FILE.toml  <  --section.field=value
-
-Every field declares its help text and unit in place (``_f``); ``--help`` and ``config show`` are
-generated from them. Unknown keys are errors that suggest the closest valid key; out-of-range values
-are errors that name the field and the valid range.
+Every field declares its help text, unit and valid range in place (``_f``); config_io.py reads
+configs (defaults < preset < --config file < flags), checks every value against these, and
+generates ``--help`` and ``config show`` from them. `validate` holds the checks across fields;
+`RENAMED` the keys that were renamed (an error that names the new key).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import json
-import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +34,7 @@ def _f(
 ) -> Any:
     meta = {"help": help, "unit": unit, "choices": choices, "min": min, "max": max}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -188,8 +181,10 @@ class DrafterConfig:
     init: str = _f(
         "random",
         "starting weights: random (N(0, init_std)), or target = the target's last num_layers "
-        "layers, its final norm, and an fc that passes the deepest tapped feature through "
-        "(needs the target's head layout and MLP width; a mismatch names the tensor)",
+        "layers, its final norm, and an fc that passes the deepest tapped feature through; "
+        "checked at start-up to compute what the target's layers compute, refused (naming "
+        "what differs) where the target's layers cannot be mapped onto the drafter's "
+        "(docs/families.md)",
         choices=("random", "target"),
     )
     init_tap: int = _f(
@@ -200,10 +195,11 @@ class DrafterConfig:
         min=-1,
     )
     num_layers: int = _f(2, "drafter decoder layers", min=1, max=64)
-    num_heads: int = _f(9, "attention query heads", min=1)
-    num_kv_heads: int = _f(3, "attention key/value heads (GQA)", min=1)
-    head_dim: int = _f(64, "attention head dim", min=8)
-    intermediate_size: int = _f(1536, "SwiGLU MLP width", unit="features", min=1)
+    # 0 = the target's: what init=target needs, and a user should not have to type it
+    num_heads: int = _f(0, "attention query heads; 0 = the target's", min=0)
+    num_kv_heads: int = _f(0, "attention key/value heads (GQA); 0 = the target's", min=0)
+    head_dim: int = _f(0, "attention head dim; 0 = the target's", min=0)
+    intermediate_size: int = _f(0, "SwiGLU MLP width; 0 = the target's", unit="features", min=0)
     block_size: int = _f(
         16, "tokens per draft block (slot 0 = anchor/bonus token)", unit="tokens", min=2, max=64
     )
@@ -333,6 +329,14 @@ class PipelineConfig:
         "time, starting from target_thread_share; false = the fixed target_thread_share split "
         "(pipeline/cores.py)",
     )
+    share_trial_windows: int = _f(
+        3,
+        "with share_cores: measure it first, alternating windows of 8 drafter steps with "
+        "sharing on and off, this many of each, and keep the mode that trains more tokens per "
+        "second (0 = share without measuring)",
+        unit="windows",
+        min=0,
+    )
     feature_cache_gb: float = _f(
         0.0,
         "CPU runs: keep each sample's tapped target features in host memory after its first "
@@ -342,7 +346,13 @@ class PipelineConfig:
         unit="GiB",
         min=0.0,
     )
-    timeout_s: float = _f(1.0, "poll interval of every blocking call", unit="s", min=0.01)
+    poll_s: float = _f(
+        1.0,
+        "poll interval of every blocking queue call: how often a blocked stage re-checks the "
+        "stop event",
+        unit="s",
+        min=0.01,
+    )
     shutdown_deadline_s: float = _f(
         30.0, "max time for all stages to stop after a failure", unit="s", min=1.0
     )
@@ -563,198 +573,17 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-# --------------------------------------------------------------------------------------------
-# Introspection
-# --------------------------------------------------------------------------------------------
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def iter_fields(cfg_cls=Config, prefix: str = ""):
-    """Yield (dotted_key, dataclass Field, resolved type) for every leaf field."""
-    hints = _hints(cfg_cls)
-    for f in dataclasses.fields(cfg_cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from iter_fields(tp, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", f, tp
-
-
-def all_keys() -> list[str]:
-    return [k for k, _, _ in iter_fields()]
-
-
-def _suggest(key: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
-    return f" Did you mean '{close[0]}'?" if close else ""
-
-
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) is list:
-        return f"list[{typing.get_args(tp)[0].__name__}]"
-    return tp.__name__
-
-
-# --------------------------------------------------------------------------------------------
-# Values
-# --------------------------------------------------------------------------------------------
-
-
-LIST_SYNTAX = 'a,b  or  [a,b]  or  TOML ["a", "b"]  (one item: a; none: [])'
-
-
-def _unquote(item: str) -> str:
-    item = item.strip()
-    if len(item) >= 2 and item[0] == item[-1] and item[0] in "'\"":
-        return item[1:-1]
-    return item
-
-
-def parse_list(text: str) -> list:
-    """A list flag as users type it: `a,b`, `[a,b]`, `["a","b"]` / `['a']` (TOML), `[1, 2]`;
-    '' and `[]` are empty. ValueError when it is none of these (e.g. an unclosed bracket)."""
-    s = text.strip()
-    if not s.startswith("["):
-        return [_unquote(v) for v in s.split(",") if v.strip()]
-    if not s.endswith("]"):
-        raise ValueError("unclosed [")
-    try:
-        value = tomllib.loads(f"v = {s}")["v"]
-    except tomllib.TOMLDecodeError:
-        inner = s[1:-1]
-        if "[" in inner or "]" in inner:
-            raise ValueError("nested brackets") from None
-        return [_unquote(v) for v in inner.split(",") if v.strip()]
-    if not isinstance(value, list):
-        raise ValueError("not a list")
-    return value
-
-
-def _coerce(key: str, tp, value: Any) -> Any:
-    """Turn a TOML value or a flag string into the field's type, or raise ConfigError."""
-    origin = typing.get_origin(tp)
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        why = ""
-        try:
-            items = parse_list(value) if isinstance(value, str) else value
-            if isinstance(items, list):
-                out = []
-                for v in items:
-                    try:
-                        out.append(_coerce(key, item_tp, v))
-                    except ConfigError:
-                        why = f" (item {v!r} is not {item_tp.__name__})"
-                        raise
-                return out
-        except (TypeError, ValueError):  # a ConfigError is a ValueError too
-            pass
-        raise ConfigError(
-            f"{key}: cannot read {value!r} as {_type_name(tp)}{why}. Write a list as {LIST_SYNTAX}."
-        )
-    try:
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in {"true", "1", "yes", "on"}:
-                return True
-            if isinstance(value, str) and value.lower() in {"false", "0", "no", "off"}:
-                return False
-            raise TypeError
-        if tp is int:
-            if isinstance(value, bool):
-                raise TypeError
-            if isinstance(value, float) and not value.is_integer():
-                raise TypeError
-            return int(value)
-        if tp is float:
-            if isinstance(value, bool):
-                raise TypeError
-            return float(value)
-        if tp is str:
-            if not isinstance(value, str):
-                raise TypeError
-            return value
-    except (TypeError, ValueError, json.JSONDecodeError):
-        pass
-    raise ConfigError(f"{key}: cannot read {value!r} as {_type_name(tp)}.")
-
-
-def _check_range(key: str, f: dataclasses.Field, value: Any) -> None:
-    m = f.metadata
-    if m.get("choices") and value not in m["choices"]:
-        raise ConfigError(
-            f"{key}: {value!r} is not one of {', '.join(map(repr, m['choices']))}."
-            + _suggest(str(value), [str(c) for c in m["choices"]])
-        )
-    lo, hi = m.get("min"), m.get("max")
-    vals = value if isinstance(value, list) else [value]
-    for v in vals:
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            if (lo is not None and v < lo) or (hi is not None and v > hi):
-                rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-                raise ConfigError(f"{key}: {v!r} is outside the valid range {rng}.")
-
-
-def _get_parent(cfg: Config, key: str):
-    *path, leaf = key.split(".")
-    obj = cfg
-    for p in path:
-        obj = getattr(obj, p)
-    return obj, leaf
-
-
-def set_value(cfg: Config, key: str, value: Any, *, origin: str = "flag") -> None:
-    fields = {k: (f, tp) for k, f, tp in iter_fields()}
-    if key not in fields:
-        raise ConfigError(
-            f"unknown config key '{key}' (from {origin})."
-            + _suggest(key, list(fields))
-            + " See `dflash-trainer config show`."
-        )
-    f, tp = fields[key]
-    v = _coerce(key, tp, value)
-    _check_range(key, f, v)
-    obj, leaf = _get_parent(cfg, key)
-    setattr(obj, leaf, v)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def apply_mapping(cfg: Config, mapping: dict, origin: str) -> None:
-    for key, value in _flatten(mapping).items():
-        set_value(cfg, key, value, origin=origin)
-
-
-def load_toml(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file '{p}' does not exist.")
-    try:
-        return tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: invalid TOML: {e}. Fix the file and retry.") from None
-
-
-def list_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+# Keys that were renamed: old key -> new key. Reading an old key is an error that names the new
+# one (config_io.set_value and the flag parser), so a preset or script is fixed, not ignored.
+RENAMED = {
+    "pipeline.timeout_s": "pipeline.poll_s",
+}
 
 
 def validate(cfg: Config) -> Config:
     """Cross-field checks that a single field's range cannot express."""
     d = cfg.drafter
-    if d.num_heads % d.num_kv_heads:
+    if d.num_heads and d.num_kv_heads and d.num_heads % d.num_kv_heads:
         raise ConfigError(
             f"drafter.num_heads ({d.num_heads}) must be a multiple of "
             f"drafter.num_kv_heads ({d.num_kv_heads})."
@@ -776,150 +605,9 @@ def validate(cfg: Config) -> Config:
         "prefetch",
         "target",
         "drafter",
-        "monitor",
     }:
         raise ConfigError(
-            f"pipeline.fault: stage must be prefetch/target/drafter/monitor, got "
+            f"pipeline.fault: stage must be prefetch/target/drafter, got "
             f"{cfg.pipeline.fault!r} (format STAGE[@RANK]:STEP[:hang|sigterm])."
         )
     return cfg
-
-
-# Short flags users type, and the key each one sets.
-ALIASES = {"resume_from": "checkpoint.resume_from"}
-_BOOL_WORDS = {"true", "1", "yes", "on", "false", "0", "no", "off"}
-
-
-def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """['--a.b=1', '--c.d', '2'] -> [('a.b','1'), ('c.d','2')]; anything else is an error.
-    A boolean field given alone (`--overwrite`) is true; `--resume-from PATH` is
-    `--checkpoint.resume_from=PATH` (ALIASES)."""
-    keys = {k: tp for k, _, tp in iter_fields()}
-    out, i = [], 0
-    while i < len(args):
-        a = args[i]
-        if not a.startswith("--") or len(a) == 2:
-            raise ConfigError(
-                f"unexpected argument '{a}'; overrides look like --section.field=VALUE."
-            )
-        body = a[2:]
-        k, v = body.split("=", 1) if "=" in body else (body, None)
-        k = k.replace("-", "_")
-        k = ALIASES.get(k, k)
-        if k not in keys:
-            raise ConfigError(
-                f"unknown flag '--{k}'."
-                + _suggest(k, list(keys)).replace("'", "'--", 1)
-                + " See --help for every field."
-            )
-        if v is None:
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            if keys[k] is bool and (nxt is None or nxt.lower() not in _BOOL_WORDS):
-                v = "true"
-            elif nxt is None:
-                raise ConfigError(f"flag '{a}' needs a value: {a}=VALUE.")
-            else:
-                v = nxt
-                i += 1
-        out.append((k, v))
-        i += 1
-    return out
-
-
-def apply_saved(cfg: Config, saved: dict, origin: str) -> list[str]:
-    """Apply a config saved by another version of the trainer (an export's training.json):
-    keys this version does not know are skipped and returned, not errors."""
-    known = set(all_keys())
-    flat = _flatten(saved)
-    for key, value in flat.items():
-        if key in known:
-            set_value(cfg, key, value, origin=origin)
-    return sorted(k for k in flat if k not in known)
-
-
-def load_config(
-    preset: str | None = None,
-    config_file: str | None = None,
-    overrides: list[str] | tuple = (),
-    base: dict | None = None,
-) -> Config:
-    """defaults < `base` (a saved config, e.g. an export's training config) < preset <
-    --config file < flags."""
-    cfg = Config()
-    if base:
-        apply_saved(cfg, base, origin="the recorded training config")
-    if preset:
-        path = PRESET_DIR / f"{preset}.toml"
-        if not path.is_file():
-            raise ConfigError(
-                f"unknown preset '{preset}'."
-                + _suggest(preset, list_presets())
-                + f" Available: {', '.join(list_presets())}."
-            )
-        apply_mapping(cfg, load_toml(path), origin=f"preset {preset}")
-    if config_file:
-        apply_mapping(cfg, load_toml(config_file), origin=str(config_file))
-    for k, v in parse_overrides(list(overrides)):
-        set_value(cfg, k, v, origin=f"--{k}")
-    return validate(cfg)
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def from_dict(d: dict) -> Config:
-    """Rebuild a Config from to_dict() output (checkpoints). Unknown keys are errors."""
-    cfg = Config()
-    apply_mapping(cfg, d, origin="saved config")
-    return validate(cfg)
-
-
-def to_toml(cfg) -> str:
-    """Render as TOML (sections as tables), with each field's help as a comment."""
-    lines: list[str] = []
-    top, sections = [], []
-    hints = _hints(Config)
-    for f in dataclasses.fields(Config):
-        if dataclasses.is_dataclass(hints[f.name]):
-            sections.append(f)
-        else:
-            top.append(f)
-
-    def render(obj, flds):
-        for f in flds:
-            v = getattr(obj, f.name)
-            unit = f.metadata.get("unit")
-            lines.append(f"# {f.metadata.get('help', '')}" + (f" [{unit}]" if unit else ""))
-            lines.append(f"{f.name} = {json.dumps(v)}")
-
-    render(cfg, top)
-    for s in sections:
-        lines.append("")
-        lines.append(f"[{s.name}]")
-        sub = getattr(cfg, s.name)
-        render(sub, dataclasses.fields(sub))
-    return "\n".join(lines) + "\n"
-
-
-def help_text() -> str:
-    """Every field with its type, unit, default and valid range: the body of --help."""
-    out = []
-    defaults = Config()
-    for key, f, tp in iter_fields():
-        obj, leaf = _get_parent(defaults, key)
-        m = f.metadata
-        extra = []
-        if m.get("unit"):
-            extra.append(f"unit: {m['unit']}")
-        if m.get("choices"):
-            extra.append("one of " + "/".join(m["choices"]))
-        if m.get("min") is not None or m.get("max") is not None:
-            lo = "-inf" if m.get("min") is None else m["min"]
-            hi = "inf" if m.get("max") is None else m["max"]
-            extra.append(f"range [{lo}, {hi}]")
-        if typing.get_origin(tp) is list:
-            extra.append('a list: a,b or [a,b] or TOML ["a", "b"]')
-        extra.append(f"default: {json.dumps(getattr(obj, leaf))}")
-        out.append(f"  --{key}=<{_type_name(tp)}>\n      {m.get('help', '')} ({'; '.join(extra)})")
-    return "\n".join(out)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from dflash_trainer.config import Config, to_toml
+from dflash_trainer.config import Config
+from dflash_trainer.config_io import to_toml
 
 
 def run(cfg: Config, args) -> int:

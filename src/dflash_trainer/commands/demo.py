@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ from dflash_trainer.eval.reference import reference_tau
 from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.report import write_report
 from dflash_trainer.run import TrainResult, rundir, train
@@ -57,18 +59,34 @@ def run(cfg: Config, args) -> int:
         logging.getLogger().removeHandler(handler)
 
 
+class _Phases:
+    """Wall seconds of each demo phase, in order (printed and kept in demo_summary.json)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def end(self, name: str) -> float:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._t, 1)
+        self._t = now
+        return self.seconds[name]
+
+
 def _demo(cfg: Config, t_all: float) -> int:
     run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
+    phases = _Phases()
+    _say(f"CPU: {cpu_kind()}, {torch.get_num_threads()} threads")
     _say(f"1/5 target {cfg.target.model} (dtype {cfg.target.dtype})")
-    t = time.monotonic()
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     _say(
-        f"    loaded in {time.monotonic() - t:.1f} s as {dtype_label(target.dtype)}; "
+        f"    loaded in {phases.end('target'):.1f} s as {dtype_label(target.dtype)}; "
         f"taps {target.layer_ids}"
     )
     _say("2/5 training data: embedded prompts answered by the target (cached)")
     train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
+    _say(f"    ready in {phases.end('data'):.0f} s")
     report = [e for e in heldout_examples(heldout, cfg) if e.role == REPORT]
     _say(
         f"    {len(train_set)} training conversations, {int(train_set.lengths.sum())} "
@@ -85,6 +103,7 @@ def _demo(cfg: Config, t_all: float) -> int:
     # train()'s end-of-run evaluation, which would decode the same prompts a second time.
     cfg.eval.at_end = False
     result = train(cfg, target=target, train_set=train_set, heldout=heldout)
+    phases.end("training")
     _say(f"    {result.steps} steps in {result.wall_s:.0f} s ({result.reason})")
     if result.balance:
         _say(f"    {result.balance}")
@@ -101,8 +120,9 @@ def _demo(cfg: Config, t_all: float) -> int:
     )
     eval_target = target_in(target, dtype)
     checks = _heldout_checks(cfg, eval_target, result.export_dir, report, dtype, block)
+    _say(f"    evaluated in {phases.end('evaluation'):.0f} s")
     _say("5/5 report")
-    _summarize(run_dir, result, checks, t_all)
+    _summarize(run_dir, result, checks, t_all, phases)
     return 0
 
 
@@ -118,16 +138,17 @@ def _heldout_checks(cfg: Config, eval_target, export_dir, report, dtype, block) 
     chosen = [e for e in report if e.source == "mt-bench"] or report
     prompts = [e.prompt for e in chosen]
     bars = cfg.metrics.console
-    how = dict(baseline=False, progress=bars, packed=cfg.target.packed_linear)
+    how: dict[str, Any] = dict(baseline=False, progress=bars, packed=cfg.target.packed_linear)
     spec = evaluate(eval_target, drafter, prompts, n, block, **how)
-    ar = evaluate(eval_target, None, prompts, n, 1, **how).spec_results
+    # None: plain decoding (eval.specdecode.evaluate's annotation lacks it)
+    ar = evaluate(eval_target, None, prompts, n, 1, **how).spec_results  # type: ignore[arg-type]
     s = summarize(spec.spec_results, ar, block)
     stop = eval_target.eos_token_ids
     ref = reference_tau(export_dir, eval_target.model, prompts, n, block, stop, progress=bars)
     print(format_table({chosen[0].source: s}), flush=True)
     # One replay of every reported prompt; acceptance_lengths follow `report`'s order.
-    sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report])
-    sim = sim.run(drafter, n, block, progress=bars)
+    tau_sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report])
+    sim = tau_sim.run(drafter, n, block, progress=bars)
     sims = {
         src: mean_tau([a for e, a in zip(report, sim.acceptance_lengths) if e.source == src])
         for src in sorted({e.source for e in report})
@@ -156,13 +177,16 @@ def _heldout_checks(cfg: Config, eval_target, export_dir, report, dtype, block) 
     return out
 
 
-def _summarize(run_dir: Path, result: TrainResult, checks: dict, t_all: float):
+def _summarize(run_dir: Path, result: TrainResult, checks: dict, t_all: float, phases: _Phases):
     report_dir = None
     try:
         report_dir = write_report(run_dir)
     except Exception as e:  # the report is a convenience, never fatal
         log.warning("report failed: %s", e)
+    phases.end("report")
     summary = {
+        "cpu": cpu_kind(),
+        "phases_s": phases.seconds,
         "heldout": checks,
         "steps": result.steps,
         "train_wall_s": result.wall_s,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.config import Config, load_config
+from dflash_trainer.config import Config
+from dflash_trainer.config_io import load_config
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
 from dflash_trainer.eval.metrics import format_table

@@ -9,8 +9,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
@@ -23,10 +21,9 @@ from dflash_trainer.models.export import (
     read_training,
     training_record,
 )
+from dflash_trainer.models.precision import DTYPES
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _is_export(p: Path) -> bool:

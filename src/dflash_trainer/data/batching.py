@@ -70,7 +70,9 @@ def assign_buckets(lengths, edges) -> np.ndarray:
 
 def _cut(order: np.ndarray, lengths: np.ndarray, cfg) -> list[list[int]]:
     """Greedy token-budget batches over `order` (already arranged; ascending within windows)."""
-    batches, cur, cur_max = [], [], 0
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
     for i in order.tolist():
         l = int(lengths[i])
         m = max(cur_max, l)

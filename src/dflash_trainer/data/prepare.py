@@ -20,16 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import zlib
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from dflash_trainer.data.chat import Rendering, build_dataset, render_text
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
+from dflash_trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -176,13 +177,6 @@ def split_dataset(dataset, label: dict[str, str], fraction: float, seed: int, ev
     return train, heldout
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def prompt_record(cid: str, messages: list[dict], source: str, data_format: str) -> dict | None:
     """A held-out prompt as eval reads it back (eval/specdecode.py: load_prompt_file): the
     conversation without its assistant turns, or with data.format=text its prompt's raw text
@@ -195,10 +189,10 @@ def prompt_record(cid: str, messages: list[dict], source: str, data_format: str)
 
 
 def write_split_files(run_dir: Path, convs, train, heldout, data_format: str = "chat") -> None:
-    by_id = {}
+    by_id: dict[str, Any] = {}
     for c in convs:
         by_id.setdefault(c.id, c)
-    lines = {REPORT: [], VALIDATION: []}
+    lines: dict[str, list[str]] = {REPORT: [], VALIDATION: []}
     for cid, src, role in zip(heldout.ids, heldout.sources, heldout.roles):
         c = by_id.get(cid)
         if c is None:
@@ -206,10 +200,10 @@ def write_split_files(run_dir: Path, convs, train, heldout, data_format: str = "
         rec = prompt_record(cid, c.messages, src, data_format)
         if rec is not None:
             lines[role].append(json.dumps(rec))
-    _write_atomic(run_dir / "heldout.jsonl", "".join(x + "\n" for x in lines[REPORT]))
-    _write_atomic(run_dir / "validation.jsonl", "".join(x + "\n" for x in lines[VALIDATION]))
+    write_atomic(run_dir / "heldout.jsonl", "".join(x + "\n" for x in lines[REPORT]))
+    write_atomic(run_dir / "validation.jsonl", "".join(x + "\n" for x in lines[VALIDATION]))
     trained = dict.fromkeys(train.ids)
-    _write_atomic(
+    write_atomic(
         run_dir / "train_ids.json",
         json.dumps(
             {
@@ -229,4 +223,4 @@ def write_heldout_prompts(path: Path, convs, held_ids) -> None:
             seen.add(c.id)
             msgs = [m for m in c.messages if m["role"] != "assistant"]
             lines.append(json.dumps({"id": c.id, "messages": msgs}) + "\n")
-    _write_atomic(path, "".join(lines))
+    write_atomic(path, "".join(lines))

@@ -21,8 +21,9 @@ positions; block K/V are never kept, so the cache holds context only (dflash-met
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,15 @@ from torch import nn
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.attention import block_attention
+from dflash_trainer.models.target_layout import (
+    SHAPE_FIELDS,
+    first_source_layer,
+    layer_type,
+    target_shapes,
+)
+from dflash_trainer.models.target_layout import rope_theta as target_rope_theta
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,22 +79,24 @@ class DFlashConfig:
     @classmethod
     def from_configs(cls, drafter_cfg, target) -> DFlashConfig:
         """Drafter section of the run config + a loaded target (TargetModel or a duck type with
-        .hidden_size .num_layers .layer_ids .vocab_size .model.config [.tokenizer])."""
+        .hidden_size .num_layers .layer_ids .vocab_size .model.config [.tokenizer]).
+        Shape fields at 0 take the target's (what init=target needs); the RoPE base, at 0, is
+        the target's for the layers the drafter starts from (drafter_rope_theta)."""
         tcfg = target.model.config
-        theta = float(drafter_cfg.rope_theta) or _target_rope_theta(tcfg)
+        pick = {k: getattr(drafter_cfg, k) for k in SHAPE_FIELDS}
+        if not all(pick.values()):  # read the target's only where asked to
+            shapes = target_shapes(tcfg)
+            pick = {k: v or shapes[k] for k, v in pick.items()}
         return cls(
             hidden_size=int(target.hidden_size),
             num_layers=drafter_cfg.num_layers,
-            num_heads=drafter_cfg.num_heads,
-            num_kv_heads=drafter_cfg.num_kv_heads,
-            head_dim=drafter_cfg.head_dim,
-            intermediate_size=drafter_cfg.intermediate_size,
+            **pick,
             block_size=drafter_cfg.block_size,
             target_layer_ids=list(target.layer_ids),
             num_target_layers=int(target.num_layers),
             mask_token_id=resolve_mask_token_id(drafter_cfg.mask_token_id, target),
             vocab_size=int(target.vocab_size),
-            rope_theta=theta,
+            rope_theta=drafter_rope_theta(drafter_cfg, target),
             rms_norm_eps=drafter_cfg.rms_norm_eps,
             max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", None) or 40960),
             attention=drafter_cfg.attention,
@@ -92,17 +104,31 @@ class DFlashConfig:
         )
 
 
-def _target_rope_theta(tcfg) -> float:
-    # transformers 5 moved rope_theta into config.rope_parameters; 4.x keeps it top-level.
-    rp = getattr(tcfg, "rope_parameters", None)
-    if isinstance(rp, dict):
-        if "rope_theta" in rp:
-            return float(rp["rope_theta"])
-        for sub in rp.values():  # per-layer-type form {"full_attention": {...}}
-            if isinstance(sub, dict) and "rope_theta" in sub:
-                return float(sub["rope_theta"])
-    theta = getattr(tcfg, "rope_theta", None)
-    return float(theta) if theta else 10000.0
+def drafter_rope_theta(drafter_cfg, target) -> float:
+    """drafter.rope_theta, or at 0 the target's base for the layers the drafter stands for:
+    with init=target the type of the first copied layer (Gemma 3: a sliding layer's local
+    base, a full layer's global one), else the target's global (full-attention) base. Logged
+    with where it came from, also when the target's config names none."""
+    if drafter_cfg.rope_theta:
+        return float(drafter_cfg.rope_theta)
+    tcfg = target.model.config
+    ltype, why = None, ""
+    if getattr(drafter_cfg, "init", "random") == "target":
+        try:
+            src = first_source_layer(
+                drafter_cfg.num_layers,
+                int(target.num_layers),
+                list(target.layer_ids),
+                drafter_cfg.init_tap,
+            )
+        except ValueError:
+            src = None  # init_from_target reports it
+        if src is not None:
+            ltype = layer_type(tcfg, src)
+            why = f", the type of copied layer {src}" if ltype else ""
+    theta, where = target_rope_theta(tcfg, ltype)
+    log.info("drafter RoPE base %g (%s%s)", theta, where, why)
+    return theta
 
 
 def resolve_mask_token_id(configured: int, target) -> int:
@@ -248,19 +274,19 @@ class DrafterCache:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         cur, add = self._len[layer], k.shape[2]
-        buf = self._k[layer]
-        if buf is None or cur + add > buf.shape[2]:
-            cap = max(256, 2 * (buf.shape[2] if buf is not None else 0), cur + add)
+        bk, bv = self._k[layer], self._v[layer]
+        if bk is None or bv is None or cur + add > bk.shape[2]:
+            cap = max(256, 2 * (bk.shape[2] if bk is not None else 0), cur + add)
             nk = k.new_empty(*k.shape[:2], cap, k.shape[3])
             nv = v.new_empty(*v.shape[:2], cap, v.shape[3])
-            if cur:
-                nk[:, :, :cur] = self._k[layer][:, :, :cur]
-                nv[:, :, :cur] = self._v[layer][:, :, :cur]
-            self._k[layer], self._v[layer] = nk, nv
-        self._k[layer][:, :, cur : cur + add] = k
-        self._v[layer][:, :, cur : cur + add] = v
+            if cur and bk is not None and bv is not None:
+                nk[:, :, :cur] = bk[:, :, :cur]
+                nv[:, :, :cur] = bv[:, :, :cur]
+            self._k[layer], self._v[layer] = bk, bv = nk, nv
+        bk[:, :, cur : cur + add] = k
+        bv[:, :, cur : cur + add] = v
         self._len[layer] = cur + add
-        return self._k[layer][:, :, : cur + add], self._v[layer][:, :, : cur + add]
+        return bk[:, :, : cur + add], bv[:, :, : cur + add]
 
     def crop(self, n: int) -> None:
         """Keep the first n context entries (e.g. after a rejected draft)."""
@@ -329,7 +355,7 @@ class DFlashDrafter(nn.Module):
         rope_q = self._rope(blk_pos, dt)
         rope_c = self._rope(ctx_pos, dt)
         masks: dict = {}  # one mask / BlockMask for all layers of this forward
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             a = layer.self_attn
             k_ctx, v_ctx = a.project_kv(ctx, *rope_c)
 
@@ -342,6 +368,11 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     # -------------------------------------------------------------------------------- inference
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers`, typed (an nn.ModuleList yields plain Modules)."""
+        return cast("list[DecoderLayer]", list(self.layers))
+
     def new_cache(self) -> DrafterCache:
         return DrafterCache(self.config.num_layers)
 
@@ -370,9 +401,9 @@ class DFlashDrafter(nn.Module):
             ctx = self.fuse(new_features)
             p0 = cache.length
             rope_c = self._rope(torch.arange(p0, p0 + C, device=dev).expand(B, C), ctx.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             a = layer.self_attn
-            if ctx is not None:
+            if ctx is not None and rope_c is not None:
                 k_ctx, v_ctx = cache.append(i, *a.project_kv(ctx, *rope_c))
             else:
                 k_ctx, v_ctx = cache.keys[i], cache.values[i]

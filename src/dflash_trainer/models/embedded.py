@@ -130,7 +130,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # weights are already dequantized plain fp32 tensors.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # not declared on PreTrainedModel
     # <|im_end|> (2) ends an assistant turn; generation must stop there.
     eos = tok.eos_token_id
     model.generation_config.eos_token_id = eos

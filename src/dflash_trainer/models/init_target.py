@@ -1,7 +1,8 @@
 """Where a drafter starts: from the target (`drafter.init = target`) or from a published
 drafter (`drafter.init_from = DIR`, fine-tuning).
 
-The drafter has the target's hidden size and, in the presets, its head layout. So:
+The drafter has the target's hidden size and by default (shape fields 0) its head layout
+and MLP width. So:
   - drafter layer i starts as a copy of target layer s + i (attention and MLP weights and both
     layer norms; q_norm/k_norm too where the target has them, e.g. Qwen3; a Llama target has
     none and they stay at 1). By default s = L - n: the target's last n layers, fed by the
@@ -12,6 +13,11 @@ The drafter has the target's hidden size and, in the presets, its head layout. S
   - `fc` starts by passing the chosen tapped feature through (identity on its slice, zero
     elsewhere) and `hidden_norm` as the input norm of the first copied layer, so the fused
     context starts as what that layer would have read at those positions.
+Tensors are paired by what they compute (models/layer_map.py: offset norms become plain
+weights, fused projections are split), and every copied layer is then run beside its target
+layer on the same input: a family whose layers the drafter's Qwen3-style layer cannot compute
+(Gemma 3's sandwich norms and GeLU, a mixture-of-experts MLP, Qwen2's attention biases) is
+refused with what differs, before any training. docs/families.md has the table.
 The architecture and export format are the published ones: only the starting values differ.
 """
 
@@ -21,128 +27,110 @@ import dataclasses
 import logging
 
 import torch
-from torch import nn
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.drafter import DFlashDrafter
 from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.layer_map import (
+    LAYER_TOL,
+    Unmappable,
+    differences,
+    has_qk_norm,
+    layer_error,
+    norm_scale,
+    source_tensors,
+)
+from dflash_trainer.models.target_layout import (
+    first_source_layer,
+    layer_type,
+    rope_theta,
+    target_shapes,
+    text_config,
+)
 
 log = logging.getLogger(__name__)
 
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-_NORMS = ("input_layernorm", "post_attention_layernorm")
+__all__ = ["first_source_layer", "init_from_target", "warm_start"]
 
 
-def _layer_pairs(d_layer: nn.Module, t_layer: nn.Module, i: int):
-    """(drafter tensor, target tensor, drafter tensor name) for one decoder layer."""
-    out = []
-    for name in _ATTN:
-        out.append(
-            (
-                getattr(d_layer.self_attn, name).weight,
-                getattr(getattr(t_layer.self_attn, name, None), "weight", None),
-                f"layers.{i}.self_attn.{name}.weight",
-            )
-        )
-    for name in ("q_norm", "k_norm"):
-        t = getattr(t_layer.self_attn, name, None)
-        if t is not None:
-            out.append(
-                (
-                    getattr(d_layer.self_attn, name).weight,
-                    t.weight,
-                    f"layers.{i}.self_attn.{name}.weight",
-                )
-            )
-    for name in _MLP:
-        out.append(
-            (
-                getattr(d_layer.mlp, name).weight,
-                getattr(getattr(t_layer.mlp, name, None), "weight", None),
-                f"layers.{i}.mlp.{name}.weight",
-            )
-        )
-    for name in _NORMS:
-        out.append(
-            (
-                getattr(d_layer, name).weight,
-                getattr(getattr(t_layer, name, None), "weight", None),
-                f"layers.{i}.{name}.weight",
-            )
-        )
-    return out
+def _family(target) -> str:
+    return type(target.model).__name__
 
 
-def first_source_layer(n: int, num_target_layers: int, layer_ids, init_tap: int) -> int:
-    """The target layer that drafter layer 0 starts from (see the module docstring)."""
-    L = num_target_layers
-    if n > L:
-        raise ValueError(f"the drafter has {n} layers but the target only {L}")
-    if init_tap < 0:
-        return L - n
-    if init_tap >= len(layer_ids):
-        raise ValueError(
-            f"init_tap={init_tap} but the target has {len(layer_ids)} tapped layers "
-            f"{list(layer_ids)}: use 0..{len(layer_ids) - 1}, or -1 for its last layers"
-        )
-    start = layer_ids[init_tap] + 1
-    if start + n > L:
-        raise ValueError(
-            f"init_tap={init_tap}: {n} layers after tapped layer {layer_ids[init_tap]} run past "
-            f"the target's {L} layers; choose a shallower tap or fewer drafter layers"
-        )
-    return start
+def _shape_hint(tcfg) -> str:
+    flags = " ".join(f"--drafter.{k}={v}" for k, v in target_shapes(tcfg).items())
+    return f"pass the target's: {flags} (or leave them at 0, the target's), or drafter.init=random"
 
 
-def target_init_pairs(drafter: nn.Module, target_layers, final_norm: nn.Module | None, start: int):
-    """Every (drafter tensor, source tensor, name) the target init copies, checked: raises
-    ValueError naming the first tensor whose source is missing or has another shape. Drafter
-    layer i copies target layer start + i (first_source_layer)."""
-    n = len(drafter.layers)
+def target_init_pairs(drafter: DFlashDrafter, target, start: int):
+    """Every (drafter tensor, source value, drafter tensor name) the target init sets, checked:
+    Unmappable names a layer part with no counterpart (models/layer_map.py), ValueError a
+    shape that differs (with the values to pass). Drafter layer i copies target layer
+    start + i."""
+    tcfg = target.model.config
+    H = drafter.config.hidden_size
     pairs = []
-    for i in range(n):
+    for i in range(len(drafter.layers)):
         src = start + i
-        for dst, s, name in _layer_pairs(drafter.layers[i], target_layers[src], i):
-            if s is None:
-                raise ValueError(
-                    f"{name}: target layer {src} has no such weight (not a "
-                    "Llama/Qwen-style decoder layer)"
-                )
+        try:
+            sources = source_tensors(target.layers[src], tcfg, H)
+        except Unmappable as e:
+            raise Unmappable(f"{_family(target)} layer {src}: {e}") from None
+        d_params = dict(drafter.layers[i].named_parameters())
+        for rel, s in sources.items():
+            dst, name = d_params[rel], f"layers.{i}.{rel}"
             if tuple(dst.shape) != tuple(s.shape):
                 raise ValueError(
                     f"{name} has shape {tuple(dst.shape)}, target layer {src}'s is "
-                    f"{tuple(s.shape)}: set drafter.num_heads/num_kv_heads/head_dim/"
-                    "intermediate_size to the target's"
+                    f"{tuple(s.shape)}: {_shape_hint(tcfg)}"
                 )
             pairs.append((dst, s, name))
-    if final_norm is None or getattr(final_norm, "weight", None) is None:
-        raise ValueError("norm.weight: the target has no final norm to start from")
-    if tuple(final_norm.weight.shape) != tuple(drafter.norm.weight.shape):
-        raise ValueError(
-            f"norm.weight: the target's final norm has shape {tuple(final_norm.weight.shape)}"
-        )
-    pairs.append((drafter.norm.weight, final_norm.weight, "norm.weight"))
-    pairs.append(
-        (
-            drafter.hidden_norm.weight,
-            target_layers[start].input_layernorm.weight,
-            "hidden_norm.weight",
-        )
-    )
+    final = target.final_norm
+    if final is None or getattr(final, "weight", None) is None:
+        raise Unmappable("the target has no final norm to start the drafter's norm from")
+    pairs.append((drafter.norm.weight, norm_scale(final, H, "the final norm"), "norm.weight"))
+    # hidden_norm: the fused context starts as what the first copied layer reads
+    hidden = norm_scale(target.layers[start].input_layernorm, H, "input_layernorm")
+    pairs.append((drafter.hidden_norm.weight, hidden, "hidden_norm.weight"))
     return pairs
 
 
+def check_copied_layers(drafter: DFlashDrafter, target, start: int) -> list[float]:
+    """layer_error for every copied layer; Unmappable naming what differs where one does not
+    compute its target layer's function. Returns the errors."""
+    errs = []
+    for i, d_layer in enumerate(drafter.layers):
+        src = start + i
+        err = layer_error(d_layer, target.layers[src], target.model, src, drafter.config.rope_theta)
+        errs.append(err)
+        if err > LAYER_TOL:
+            tcfg = target.model.config
+            why = differences(target.layers[src], tcfg, src)
+            theta, ours = rope_theta(tcfg, layer_type(tcfg, src))[0], drafter.config.rope_theta
+            if theta != ours:
+                why.insert(0, f"RoPE base {ours:g} (the target's layer {src} uses {theta:g})")
+            why = why or [
+                "for a reason this check does not name (an unknown family: please report it "
+                "with the model name)"
+            ]
+            raise Unmappable(
+                f"{_family(target)} layer {src} copied into drafter layer {i} does not compute "
+                f"what the target layer computes (relative difference {err:.2g} > {LAYER_TOL:g} "
+                f"on the same input): {'; '.join(why)}"
+            )
+    return errs
+
+
 @torch.no_grad()
-def init_from_target(
-    drafter: nn.Module, target_layers, final_norm: nn.Module | None, init_tap: int = -1
-) -> list[str]:
-    """Copy target layers into the drafter (see the module docstring): its last layers
-    (init_tap -1), or those right after tapped layer init_tap. Returns the names of the tensors
-    set."""
+def init_from_target(drafter: DFlashDrafter, target, init_tap: int = -1) -> list[str]:
+    """Start the drafter from the target (see the module docstring): its last layers
+    (init_tap -1), or those right after tapped layer init_tap; then check that every copied
+    layer computes its target layer's function (models/layer_map.py). Raises Unmappable (the
+    family cannot start the drafter: what differs) or ValueError (shapes, layer range).
+    Returns the names of the tensors set."""
     layer_ids = list(drafter.config.target_layer_ids)
-    start = first_source_layer(len(drafter.layers), len(target_layers), layer_ids, init_tap)
-    pairs = target_init_pairs(drafter, target_layers, final_norm, start)
+    start = first_source_layer(len(drafter.layers), len(target.layers), layer_ids, init_tap)
+    pairs = target_init_pairs(drafter, target, start)
     for dst, s, _ in pairs:
         dst.copy_(s.to(dst.dtype))
     H = drafter.config.hidden_size
@@ -150,6 +138,29 @@ def init_from_target(
     tap = nf - 1 if init_tap < 0 else init_tap  # the feature slice fc passes through
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, tap * H : (tap + 1) * H].copy_(torch.eye(H, dtype=drafter.fc.weight.dtype))
+    errs = check_copied_layers(drafter, target, start)
+    log.info(
+        "drafter.init=target: %s layers %d..%d copied and checked (largest relative difference "
+        "%.1e)",
+        _family(target),
+        start,
+        start + len(drafter.layers) - 1,
+        max(errs),
+    )
+    if not has_qk_norm(target.layers[start]):
+        log.warning(
+            "drafter.init=target: %s layers have no q/k norm; the drafter's (Qwen3-style, "
+            "weight 1) normalise q and k per head, which the target does not. That is the one "
+            "part of the copied layers not equal to the target's; training adjusts it.",
+            _family(target),
+        )
+    window = getattr(text_config(target.model.config), "sliding_window", None)
+    if window and getattr(text_config(target.model.config), "use_sliding_window", True):
+        log.info(
+            "drafter.init=target: the target's sliding-window layers see %d positions; the "
+            "drafter attends to its whole context (equal within the window)",
+            int(window),
+        )
     return [name for _, _, name in pairs] + ["fc.weight"]
 
 

@@ -15,10 +15,14 @@ price: up to twice the memory the filled part needs, until the cache is dropped.
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _MIN_CAPACITY = 64  # tokens: the first allocation holds at least this many
 
@@ -27,24 +31,29 @@ class GrowingLayer(DynamicLayer):
     """A full-attention cache layer over buffers [B, H, capacity, D]; `keys` / `values` are
     views of the first `length` positions (what every reader of a DynamicLayer sees)."""
 
+    _k: torch.Tensor | None
+    _v: torch.Tensor | None
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None
         self._len = 0
 
     def _reserve(self, need: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        cap = 0 if self._k is None else self._k.shape[-2]
+        old_k, old_v = self._k, self._v
+        cap = 0 if old_k is None else old_k.shape[-2]
         if need <= cap:
             return
         cap = max(need, 2 * cap, _MIN_CAPACITY)
         new_k = k.new_empty((*k.shape[:-2], cap, k.shape[-1]))
         new_v = v.new_empty((*v.shape[:-2], cap, v.shape[-1]))
-        if self._len:
-            new_k[..., : self._len, :] = self._k[..., : self._len, :]
-            new_v[..., : self._len, :] = self._v[..., : self._len, :]
+        if self._len and old_k is not None and old_v is not None:
+            new_k[..., : self._len, :] = old_k[..., : self._len, :]
+            new_v[..., : self._len, :] = old_v[..., : self._len, :]
         self._k, self._v = new_k, new_v
 
     def _expose(self) -> None:
+        assert self._k is not None and self._v is not None  # after _reserve
         self.keys = self._k[..., : self._len, :]
         self.values = self._v[..., : self._len, :]
 
@@ -53,6 +62,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         self._reserve(self._len + n, key_states, value_states)
+        assert self._k is not None and self._v is not None
         self._k[..., self._len : self._len + n, :] = key_states
         self._v[..., self._len : self._len + n, :] = value_states
         self._len += n
@@ -77,7 +87,7 @@ class GrowingLayer(DynamicLayer):
 
     def _rows(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (in that order), copying only the filled positions."""
-        if not self.is_initialized or self._k is None:
+        if not self.is_initialized or self._k is None or self._v is None:
             return
         index = index.to(self._k.device)
         self._k = self._k[index, ..., : self._len, :].contiguous()
@@ -95,7 +105,7 @@ class GrowingLayer(DynamicLayer):
             self._rows(torch.arange(self._k.shape[0]).repeat_interleave(repeats))
 
 
-def new_kv_cache(model: nn.Module) -> DynamicCache:
+def new_kv_cache(model: PreTrainedModel) -> DynamicCache:
     """An empty KV cache for `model`: a DynamicCache whose full-attention layers are
     GrowingLayers. Other layer kinds (sliding windows, linear attention) stay as transformers
     made them; sliding-window layers record their past (`activate_past_recording`) so that a

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 from contextlib import contextmanager
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) ->
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _eligible(m: nn.Module) -> bool:
+def _eligible(m: nn.Module) -> TypeGuard[nn.Linear]:
     w = getattr(m, "weight", None)
     return (
         isinstance(m, nn.Linear)
@@ -86,7 +87,7 @@ def packed_linears(*modules: nn.Module | None, enabled: bool = True):
                     seen.add(id(m))
                     with torch.no_grad():
                         packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
-                    m.forward = functools.partial(_packed_forward, m, packed)
+                    m.forward = functools.partial(_packed_forward, m, packed)  # type: ignore[method-assign]
                     patched.append(m)
         yield len(patched)
     finally:

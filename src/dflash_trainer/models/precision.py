@@ -10,19 +10,89 @@ picks bf16 on those devices and float32 on the others.
 from __future__ import annotations
 
 import functools
+import os
+import platform
+from pathlib import Path
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# The one seam over the hardware probe: "1" or "0" answers for the CPU (tests run each
+# dtype-dependent case under both answers; a user can force either). Unset: ask oneDNN.
+NATIVE_BF16_ENV = "DFLASH_TRAINER_CPU_NATIVE_BF16"
+
+
+# The CPU flags of bf16 matmul instructions. oneDNN's own answer is not enough: it says yes on any
+# AVX512 core (Skylake, Cascade Lake), where it emulates bf16, several times slower than fp32.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def native_bf16_from(onednn_bf16: bool, flags: set[str]) -> bool:
+    """oneDNN's bf16 support and the CPU's flags -> bf16 matmuls in hardware? Where the flags are
+    unknown (not Linux), oneDNN's answer stands."""
+    if not onednn_bf16:
+        return False
+    return not flags or any(f in flags for f in BF16_FLAGS)
+
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX, as oneDNN sees it (False when torch was built without it)."""
+def _probe_cpu_bf16() -> bool:
+    """AVX512-BF16 or AMX: oneDNN has bf16 kernels and the CPU has the instructions (False
+    when torch was built without oneDNN)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+    return native_bf16_from(onednn, _cpuinfo()[1])
+
+
+def cpu_has_native_bf16() -> bool:
+    """Does this CPU compute bf16 matmuls natively? `DFLASH_TRAINER_CPU_NATIVE_BF16=0|1`
+    overrides the probe."""
+    forced = os.environ.get(NATIVE_BF16_ENV, "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"{NATIVE_BF16_ENV}={forced!r}: set it to 0 or 1, or unset it")
+    return _probe_cpu_bf16()
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags from /proc/cpuinfo (Linux; empty elsewhere)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+            if flags and name:
+                break
+    except OSError:
+        pass
+    return name, flags
+
+
+def cpu_kind() -> str:
+    """The CPU as results should name it: model, the widest matmul ISA it has, and what `auto`
+    picks on it (e.g. 'Intel Xeon (AMX; auto = bfloat16)'). Benchmark ratios and demo times
+    depend on all three."""
+    name, flags = _cpuinfo()
+    if "amx_bf16" in flags:
+        isa = "AMX"
+    elif "avx512_bf16" in flags:
+        isa = "AVX512-BF16"
+    elif "avx512f" in flags:
+        isa = "AVX512"
+    elif "avx2" in flags:
+        isa = "AVX2"
+    else:
+        isa = platform.machine()
+    auto = dtype_name("auto", "cpu")
+    forced = f", forced by {NATIVE_BF16_ENV}" if os.environ.get(NATIVE_BF16_ENV) else ""
+    return f"{name} ({isa}; auto = {auto}{forced})"
 
 
 def native_bf16(device: str | torch.device) -> bool:

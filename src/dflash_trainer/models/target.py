@@ -165,6 +165,18 @@ class TargetModel:
         self.hidden_size = int(text_cfg.hidden_size)
         emb = model.get_input_embeddings()
         self.embed_weight = emb.weight
+        # The drafter embeds its blocks with the raw table (F.embedding(ids, embed_weight)) in
+        # training, evaluation and every engine (no input_embedding_scale in the export); a
+        # family whose embedding module scales (Gemma: sqrt(hidden)) feeds its own layers
+        # scaled rows. Both sides agree; the scale is logged so the difference is known.
+        self.embed_scale = float(getattr(emb, "embed_scale", 1.0))
+        if self.embed_scale != 1.0:
+            log.info(
+                "target %s scales its embeddings by %g; the drafter embeds with the raw table "
+                "(scale 1) in training, evaluation and export, as serving engines do",
+                name,
+                self.embed_scale,
+            )
         self.vocab_size = int(self.embed_weight.shape[0])
         self.lm_head = model.get_output_embeddings()
         self.eos_token_ids = _eos_ids(model, tokenizer)

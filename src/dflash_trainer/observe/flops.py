@@ -130,6 +130,6 @@ class FlopsModel:
             drafter_attn_dim=d_attn,
             drafter_context_params=float(context),
             lm_head_params=float(d_hidden * vocab),
-            block_size=int(block_size or getattr(drafter_cfg, "block_size", 16)),
+            block_size=block_size or int(_get(drafter_cfg, "block_size", default=16)),
             seq_len=float(seq_len),
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,7 +62,9 @@ class NvmlCollector:
             return
         try:
             if nvml is None:
-                import pynvml as nvml  # nvidia-ml-py
+                import pynvml  # nvidia-ml-py
+
+                nvml = pynvml
             nvml.nvmlInit()
         except Exception as e:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded
             log.info("NVML unavailable (%s): GPU telemetry limited to the allocator", e)
@@ -100,21 +103,21 @@ class NvmlCollector:
         for i, h in self._handles.items():
             p = f"gpu/{i}/"
             q = self._query
-            util = q(i, "util", lambda h=h: nv.nvmlDeviceGetUtilizationRates(h))
+            util = q(i, "util", partial(nv.nvmlDeviceGetUtilizationRates, h))
             if util is not None:
                 out[p + "util"] = float(util.gpu)
                 out[p + "mem_rw_util"] = float(util.memory)
-            mem = q(i, "mem", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h))
+            mem = q(i, "mem", partial(nv.nvmlDeviceGetMemoryInfo, h))
             if mem is not None:
                 out[p + "mem_used_gib"] = mem.used / GIB
                 out[p + "mem_total_gib"] = mem.total / GIB
-            v = q(i, "power", lambda h=h: nv.nvmlDeviceGetPowerUsage(h))
+            v = q(i, "power", partial(nv.nvmlDeviceGetPowerUsage, h))
             if v is not None:
                 out[p + "power_w"] = v / 1000.0
-            v = q(i, "power_limit", lambda h=h: nv.nvmlDeviceGetEnforcedPowerLimit(h))
+            v = q(i, "power_limit", partial(nv.nvmlDeviceGetEnforcedPowerLimit, h))
             if v is not None:
                 out[p + "power_limit_w"] = v / 1000.0
-            v = q(i, "energy", lambda h=h: nv.nvmlDeviceGetTotalEnergyConsumption(h))
+            v = q(i, "energy", partial(nv.nvmlDeviceGetTotalEnergyConsumption, h))
             if v is not None:
                 prev = self._prev_energy.get(i)
                 self._prev_energy[i] = (now, v)
@@ -123,23 +126,23 @@ class NvmlCollector:
                     out[p + "energy_j"] = de
                     if now > prev[0]:
                         out[p + "power_avg_w"] = de / (now - prev[0])
-            v = q(i, "temp", lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+            v = q(i, "temp", partial(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU))
             if v is not None:
                 out[p + "temp_c"] = float(v)
-            v = q(i, "sm_clock", lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+            v = q(i, "sm_clock", partial(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM))
             if v is not None:
                 out[p + "sm_clock_mhz"] = float(v)
-            v = q(i, "mem_clock", lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM))
+            v = q(i, "mem_clock", partial(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM))
             if v is not None:
                 out[p + "mem_clock_mhz"] = float(v)
-            v = q(i, "throttle", lambda h=h: self._throttle_bits(h))
+            v = q(i, "throttle", partial(self._throttle_bits, h))
             if v is not None:
                 v = int(v)
                 out[p + "throttle_bits"] = float(v)
                 out[p + "throttle/power"] = float(bool(v & _THROTTLE_POWER))
                 out[p + "throttle/thermal"] = float(bool(v & _THROTTLE_THERMAL))
                 out[p + "throttle/hw_slowdown"] = float(bool(v & _THROTTLE_HW_SLOWDOWN))
-            v = q(i, "pcie_replay", lambda h=h: nv.nvmlDeviceGetPcieReplayCounter(h))
+            v = q(i, "pcie_replay", partial(nv.nvmlDeviceGetPcieReplayCounter, h))
             if v is not None:
                 out[p + "pcie_replays"] = float(v)
         return out

@@ -184,12 +184,12 @@ class Monitor:
     # ------------------------------------------------------------------ per log interval
     def _worker_metrics(self, m: dict, dt: float, now: float) -> dict[str, dict[str, float]]:
         """Per-worker rates; returns the deltas per worker (for throughput by role)."""
-        deltas = {}
+        deltas: dict[str, dict[str, float]] = {}
         for w in self.workers:
             cur = _snap(w, _WORKER_FIELDS)
             cur["busy_ns"] = w.busy_ns_at(self._step_clock_ns())  # the running step's part too
             prev = self._w_prev[w.name]
-            d = {f: cur[f] - prev[f] for f in _WORKER_FIELDS}
+            d: dict[str, float] = {f: cur[f] - prev[f] for f in _WORKER_FIELDS}
             self._w_prev[w.name] = cur
             deltas[w.name] = d
             p = f"worker/{w.name}/"

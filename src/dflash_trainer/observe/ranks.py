@@ -26,7 +26,7 @@ def rank_snapshot(
     """What one rank publishes: exact cumulative counters (TrainState) and its per-rank figures:
     the monitor's latest window where it has one, else the run's mean from the drafter worker's
     counters (short runs, the final snapshot)."""
-    snap = {
+    snap: dict[str, float] = {
         "tokens": int(state.tokens),
         "steps": int(state.step),
         "micro_steps": int(state.micro_step),
@@ -62,8 +62,8 @@ def merge_snapshots(snaps: dict[int, dict], world_size: int) -> dict[str, float]
         vals = {r: s[name] for r, s in snaps.items() if name in s}
         if not vals:
             continue
-        lo = min(vals, key=vals.get)
-        hi = max(vals, key=vals.get)
+        lo = min(vals, key=lambda r: vals[r])
+        hi = max(vals, key=lambda r: vals[r])
         m[f"dist/{name}/min"], m[f"dist/{name}/min_rank"] = vals[lo], float(lo)
         m[f"dist/{name}/max"], m[f"dist/{name}/max_rank"] = vals[hi], float(hi)
         m[f"dist/{name}/mean"] = sum(vals.values()) / len(vals)

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash_trainer.errors import UserError
@@ -23,9 +24,17 @@ _ACC_RE = re.compile(r"^drafter/acc[_/]?(\d+)$")
 _TAU_RE = re.compile(r"^eval/(tau|tau_sim)(?:/([^/]+))?$")
 
 
+def _acc_pos(key: str) -> int:
+    """k of a drafter/acc_k key (one `_keys` matched with _ACC_RE)."""
+    m = _ACC_RE.match(key)
+    assert m is not None, key
+    return int(m[1])
+
+
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     """(metrics records, event records); unreadable lines (a torn last line) are skipped."""
-    rows, events = [], []
+    rows: list[dict] = []
+    events: list[dict] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             line = line.strip()
@@ -134,7 +143,7 @@ class _Report:
 
     def accuracy(self, fname: str, window: int) -> None:
         title = "Per-position accuracy (last window)"
-        keys = sorted(_keys(self.rows, _ACC_RE.pattern), key=lambda k: int(_ACC_RE.match(k)[1]))
+        keys = sorted(_keys(self.rows, _ACC_RE.pattern), key=_acc_pos)
         last = [r for r in self.rows if any(k in r for k in keys)][-window:]
         if not keys or not last:
             self.sections.append((title, None, "no drafter/acc_{k} series in metrics.jsonl"))
@@ -145,7 +154,7 @@ class _Report:
                 r[k] for r in last if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])
             ]
             if vals:
-                pos.append(int(_ACC_RE.match(k)[1]))
+                pos.append(_acc_pos(k))
                 means.append(sum(vals) / len(vals))
         fig, ax = self.plt.subplots(figsize=(9, 3.5))
         ax.bar(pos, means, color="tab:blue")
@@ -206,21 +215,8 @@ class _Report:
         return "\n".join(parts)
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(
-            f"{path}: no metrics file; pass a run directory written by "
-            "`dflash-trainer train` (it contains metrics.jsonl)"
-        )
-    rows, events = read_metrics(path)
-    if not rows:
-        raise UserError(f"{path}: contains no metric records yet; run training longer")
-    out = Path(out_dir) if out_dir else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    r = _Report(rows, events, out)
-    k = lambda pat: _keys(rows, pat)  # noqa: E731
+def _stage_charts(r: _Report, k: Callable[[str], list[str]]) -> None:
+    """Throughput per stage; queue depth and starvation."""
     r.lines(
         "throughput.png",
         "Throughput per stage",
@@ -243,6 +239,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             ("producer blocked", k(r"^queue/[^/]+/producer_blocked_frac$"), "queue/"),
         ],
     )
+
+
+def _training_charts(r: _Report, k: Callable[[str], list[str]], num_rows: int) -> None:
+    """Loss, optimizer, per-position accuracy."""
     r.lines(
         "loss.png",
         "Drafter loss",
@@ -266,8 +266,14 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         "update dropped on device; the total so far and the current run of them "
         "(optim.max_consecutive_skips stops training).",
     )
-    window = max(1, len(rows) // 10)
+    window = max(1, num_rows // 10)
     r.accuracy("accuracy.png", window)
+
+
+def _eval_charts(
+    r: _Report, k: Callable[[str], list[str]], rows: list[dict], events: list[dict]
+) -> None:
+    """Acceptance length (training estimate vs decoding), held-out tau during and after training."""
     # Eval results arrive as events (monitor.log_event) and share the step axis. Training's
     # simulated acceptance and the measured tau of real decoding on held-out prompts on one
     # chart: the train-vs-serving check (a wide gap = a train/inference mismatch or overfitting).
@@ -324,6 +330,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         if last
         else "",
     )
+
+
+def _resource_charts(r: _Report, k: Callable[[str], list[str]]) -> None:
+    """Padding efficiency; memory over time."""
     r.lines(
         "padding.png",
         "Padding efficiency",
@@ -337,6 +347,29 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             ("device GiB (NVML)", k(r"^gpu/\d+/mem_used_gib$"), "gpu/"),
         ],
     )
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Plots of RUN_DIR/metrics.jsonl as PNGs and report.html in `out_dir` (default
+    RUN_DIR/report); returns the HTML's path."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(
+            f"{path}: no metrics file; pass a run directory written by "
+            "`dflash-trainer train` (it contains metrics.jsonl)"
+        )
+    rows, events = read_metrics(path)
+    if not rows:
+        raise UserError(f"{path}: contains no metric records yet; run training longer")
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    r = _Report(rows, events, out)
+    k = lambda pat: _keys(rows, pat)  # noqa: E731
+    _stage_charts(r, k)
+    _training_charts(r, k, len(rows))
+    _eval_charts(r, k, rows, events)
+    _resource_charts(r, k)
     html_path = out / "report.html"
     html_path.write_text(r.html(run_dir), encoding="utf-8")
     return html_path

@@ -17,6 +17,7 @@ If the worker laps the monitor, the OLDEST unread sample is dropped and counted:
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class ScalarRing:
         self._np = self._buf.numpy()  # shares memory with _buf: reads dispatch no torch op
         self._rows = [self._buf[i] for i in range(capacity)]  # prebuilt views: no slicing per push
         self._steps = [0] * capacity
-        self._events = (
+        self._events: list[Any] = (  # torch.cuda.Event per slot on CUDA
             [torch.cuda.Event() for _ in range(capacity)] if self._cuda else [None] * capacity
         )
         self._head = 0  # next sequence number to write (producer)

@@ -290,7 +290,12 @@ class WandbSink(Sink):
         for m in modes:
             try:
                 settings = wandb.Settings(init_timeout=init_timeout_s, console="off")
-                self._run = wandb.init(mode=m, settings=settings, reinit="create_new", **kwargs)
+                self._run = wandb.init(
+                    mode=m,  # type: ignore[arg-type]  # a str of wandb's Literal (config choices)
+                    settings=settings,
+                    reinit="create_new",
+                    **kwargs,
+                )
                 self.mode = m
                 break
             except Exception as e:

@@ -38,15 +38,75 @@ is the slower stage the split moves threads to it. On GPUs the same decision is 
 not threads: target devices per drafter device, sized from the balance line's "one drafter can
 absorb N target workers".
 
+Whether parking and borrowing pay is measured, not assumed (`trial_windows`): on some CPUs a
+step on every core gains little over one on its share, and the park/resume hysteresis can leave
+the drafter waiting for a batch, so sharing measured 0.92x the fixed split at the embedded
+preset's shape on a 2-core AVX512-BF16 EPYC. So the drafter's first non-cached steps alternate
+windows of `TRIAL_STEPS` steps with sharing on and off (the fixed split), `trial_windows` of
+each, and the run keeps the mode that trained more tokens per wall second (median of its
+windows). Batches from the feature cache always take every core (the target has nothing to do
+then) and a window that meets one is not counted.
+
 Applies with one target worker (several workers would need a count of parked producers).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
 from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
+
+TRIAL_STEPS = 8  # drafter steps per trial window (a few seconds on the embedded preset)
+
+
+class ShareTrial:
+    """Sharing on or off, decided by measurement (module docstring): windows of `steps` drafter
+    steps alternate the two modes, `windows` of each, starting with sharing on; then the mode
+    with the higher median trained tokens per wall second is kept. Fed by the drafter thread
+    only; pure given its clock readings, for tests."""
+
+    def __init__(self, windows: int, steps: int = TRIAL_STEPS):
+        self.windows, self.steps = windows, steps
+        self.rates: dict[bool, list[float]] = {True: [], False: []}
+        self.sharing = True  # the mode of the window being measured
+        self.decided: bool | None = None if windows > 0 else True
+        self._t0: int | None = None  # the window's start: the end of the step before it
+        self._n = self._tokens = 0
+
+    def step_done(self, tokens: int, now_ns: int, from_cache: bool) -> bool:
+        """One drafter step ended at `now_ns`. Returns whether the stages share from now on."""
+        if self.decided is not None:
+            return self.decided
+        if self._t0 is None or from_cache:  # the first step (warm-up) or a cached batch: restart
+            self._t0, self._n, self._tokens = now_ns, 0, 0
+            return self.sharing
+        self._n += 1
+        self._tokens += tokens
+        if self._n < self.steps:
+            return self.sharing
+        self.rates[self.sharing].append(self._tokens / max(now_ns - self._t0, 1) * 1e9)
+        self._t0, self._n, self._tokens = now_ns, 0, 0
+        if len(self.rates[False]) >= self.windows:
+            on, off = (statistics.median(self.rates[m]) for m in (True, False))
+            self.decided = on >= off
+            return self.decided
+        self.sharing = not self.sharing
+        return self.sharing
+
+    def summary(self) -> str:
+        if not self.rates[False]:
+            return "not measured"
+        on, off = (statistics.median(self.rates[m]) for m in (True, False))
+        verdict = {None: "still measuring", True: "kept", False: "switched off"}[self.decided]
+        n = len(self.rates[True])
+        return (
+            f"sharing measured {on:.0f} vs the fixed split {off:.0f} tok/s "
+            f"({on / max(off, 1e-9):.3f}x, {n}+{len(self.rates[False])} windows of {self.steps} "
+            f"steps): "
+            f"{verdict}"
+        )
 
 
 def rebalanced(target_threads: int, cores: int, work_target: float, work_drafter: float) -> int:
@@ -68,6 +128,8 @@ class CoreShare:
 
     `own`: the drafter's threads under the fixed split; `all_threads`: every core of the process.
     `adapt`: move threads between the stages (3 or more cores; see the module docstring).
+    `trial_windows`: measure sharing against the fixed split first (ShareTrial); 0 = share
+    from the start without measuring.
     """
 
     def __init__(
@@ -78,9 +140,13 @@ class CoreShare:
         park: bool = True,
         adapt: bool = False,
         window_s: float = 2.0,
+        trial_windows: int = 0,
     ):
         self.hs_q = hs_q
         self.park = park  # False with several target workers: only cached batches borrow
+        self.trial = ShareTrial(trial_windows if park else 0)
+        # parking and borrowing between the stages now (written by the drafter thread only)
+        self.sharing = park
         self.all_threads = int(all_threads)
         self.start_split = (self.all_threads - int(own), int(own))  # (target, drafter)
         self.target_alloc = self.start_split[0]  # written by the drafter thread only
@@ -110,12 +176,12 @@ class CoreShare:
     def park_while_ahead(self, stop: threading.Event, poll_s: float) -> int:
         """Target worker, before a forward: if the queue is full, wait until it is empty.
         Returns the nanoseconds parked."""
-        if not self.park or self.hs_q.qsize() < self.hs_q.capacity:
+        if not self.sharing or self.hs_q.qsize() < self.hs_q.capacity:
             return 0
         t0 = time.perf_counter_ns()
         self._parked.set()
         try:
-            while self.hs_q.qsize() > 0:
+            while self.hs_q.qsize() > 0 and self.sharing:  # a trial may switch sharing off
                 if stop.is_set():
                     raise Stopped(self.hs_q.name)
                 # Polling, not a condition variable: one check per poll_s while parked, and the
@@ -135,7 +201,7 @@ class CoreShare:
         """Target worker, before each decoder layer: every core while the drafter waits for a
         batch, its step's team (`target_threads`) otherwise."""
         self.layers += 1
-        if self.park and self._running["drafter"] == 0:
+        if self.sharing and self._running["drafter"] == 0:
             self.borrowed_layers += 1
             n = self.all_threads
         else:
@@ -146,7 +212,7 @@ class CoreShare:
     def drafter_threads(self, from_cache: bool) -> int:
         """Drafter, right after taking a batch: its OpenMP team size for this step."""
         self.steps += 1
-        if from_cache or (self.parked and self.hs_q.qsize() > 0):
+        if from_cache or (self.sharing and self.parked and self.hs_q.qsize() > 0):
             self.borrowed_steps += 1
             n = self.all_threads
         else:
@@ -154,15 +220,21 @@ class CoreShare:
         self._running["drafter"] = n
         return n
 
-    def record(self, stage: str, elapsed_ns: int, threads: int) -> None:
+    def record(
+        self, stage: str, elapsed_ns: int, threads: int, tokens: int = 0, from_cache: bool = False
+    ) -> None:
         """A step's work (elapsed x threads), from the stage's own thread. The drafter's call
-        also rebalances the split once a window has passed."""
+        (with the step's `tokens`) also feeds the sharing trial and rebalances the split once a
+        window has passed."""
         self._work[stage] += elapsed_ns * 1e-9 * threads
-        if stage == "drafter":
-            self._running["drafter"] = 0  # waiting for its next batch: the target may borrow
-        if stage != "drafter" or not self.adapt:
+        if stage != "drafter":
             return
+        self._running["drafter"] = 0  # waiting for its next batch: the target may borrow
         now = time.perf_counter_ns()
+        if self.park:
+            self.sharing = self.trial.step_done(tokens, now, from_cache)
+        if not self.adapt:
+            return
         if now - self._window_t0 < self.window_ns:
             return
         new = rebalanced(
@@ -187,4 +259,6 @@ class CoreShare:
         if self.layers:
             lent = self.borrowed_layers / self.layers
             text += f", the target on {lent:.0%} of its layers (drafter waiting for a batch)"
+        if self.park and self.trial.windows:
+            text += f"; {self.trial.summary()}"
         return text

@@ -41,6 +41,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,7 +127,7 @@ class DistContext:
     local_world_size: int
     backend: str
     timeout_s: float
-    store: object = None  # PrefixStore over the rendezvous store
+    store: Any = None  # PrefixStore over the rendezvous store
     ctrl: object = None  # gloo group: votes, gathers
     _seq: int = 0
     _hb: dict = field(default_factory=dict)
@@ -186,6 +187,7 @@ class DistContext:
         after publishing it to the other ranks. Idempotent."""
         if getattr(err, "_dflash_explained", False):
             return err
+        out: BaseException
         if isinstance(err, StageError) and isinstance(err.__cause__, PeerFailure):
             out = err  # raised by check_peers: names the rank
         else:
@@ -200,7 +202,7 @@ class DistContext:
                 self.report_failure(str(err))
                 out = err
         try:
-            out._dflash_explained = True
+            out._dflash_explained = True  # type: ignore[attr-defined]
         except AttributeError:
             pass
         return out

@@ -62,8 +62,9 @@ class FeatureCache:
         if not hit:
             return None
         B, S = batch.input_ids.shape
-        feats = _pad([e[0] for e in entries], B, S)
-        return feats, (_pad([e[1] for e in entries], B, S) if final else None)
+        got = [e for e in entries if e is not None]  # all of them (a hit)
+        feats = _pad([e[0] for e in got], B, S)
+        return feats, (_pad([e[1] for e in got if e[1] is not None], B, S) if final else None)
 
     def store(self, batch: Batch, feats: torch.Tensor, final: torch.Tensor | None) -> None:
         """Keep each new sample's rows [:length] of `feats` (and `final`), while they fit."""

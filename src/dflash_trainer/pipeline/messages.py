@@ -53,8 +53,8 @@ class HiddenBatch:
     `ready_event` is recorded on the producer's stream after the last write to `features`; the
     consumer's stream waits on it before reading. The producer holds nothing afterwards: this
     object owns the memory until the drafter step that consumes it has been enqueued, and the
-    producer called `record_stream` for the consumer stream, so the allocator cannot reuse it early.
-    On CPU `ready_event` is None and the same code path runs.
+    consumer calls `record_stream` for its own stream (pipeline/steps.py DrafterStep), so the
+    allocator cannot reuse it early. On CPU `ready_event` is None and the same code path runs.
     """
 
     seq_no: int
@@ -64,7 +64,7 @@ class HiddenBatch:
     features: torch.Tensor  # [B, S, n*H] on the drafter device
     sample_ids: torch.Tensor  # [B] CPU
     num_real_tokens: int
-    ready_event: object | None = None
+    ready_event: torch.cuda.Event | None = None
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     # [B, S, H] the target's final normed hidden states, only for logit distillation
     target_hidden: torch.Tensor | None = None

@@ -25,7 +25,7 @@ run/trainer.py builds and wires them for a run.
 
 Shutdown protocol: the first `StageFailure` on the events queue, a stall, too many consecutive
 skipped steps, or a signal sets the shared stop event. Every blocking call polls it
-(`pipeline.timeout_s`), so each stage leaves within one poll interval; the supervisor joins them
+(`pipeline.poll_s`), so each stage leaves within one poll interval; the supervisor joins them
 with `pipeline.shutdown_deadline_s` and re-raises the failure naming the stage. A stage that exits
 without `End` is a failure. The second SIGINT/SIGTERM exits at once (os._exit).
 """
@@ -38,6 +38,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash_trainer.pipeline.messages import End, StageFailure
@@ -55,7 +56,7 @@ class StageError(RuntimeError):
 
 @dataclass
 class RunOutcome:
-    reason: str  # "finished" | "max_steps" | "signal"
+    reason: str  # "finished" (max_steps included) | "signal"
     wall_s: float
     failures: list = field(default_factory=list)
 
@@ -94,7 +95,7 @@ class Supervisor:
     def __init__(
         self,
         *,
-        threads: list[threading.Thread],
+        threads: Sequence[threading.Thread],
         events: queue.Queue,
         stop: threading.Event,
         done: threading.Event,

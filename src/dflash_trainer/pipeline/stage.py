@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -41,7 +42,7 @@ def _is_oom(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def oom_context(stage: str, shape) -> contextlib.AbstractContextManager:
+def oom_context(stage: str, shape) -> Iterator[None]:
     """Turn an OOM inside a step into a message a user can act on."""
     try:
         yield

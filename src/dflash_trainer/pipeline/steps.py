@@ -11,8 +11,14 @@ import time
 
 import torch
 
+from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.observe.profile import StepTimer
+from dflash_trainer.observe.scalars import ScalarRing
+from dflash_trainer.pipeline.cores import CoreShare
+from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.pipeline.messages import Batch, HiddenBatch, WorkItem
+from dflash_trainer.pipeline.protocols import Objective, Target
+from dflash_trainer.train.optim import GuardedStep
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -30,11 +36,11 @@ class TargetStep:
 
     def __init__(
         self,
-        target,
+        target: Target,
         drafter_device: torch.device,
         feature_dtype: torch.dtype,
         final_hidden: bool = False,
-        cache=None,
+        cache: FeatureCache | None = None,
     ):
         self.target = target
         self.cache = cache  # FeatureCache shared by the target workers, or None
@@ -51,7 +57,7 @@ class TargetStep:
         boolean, so eager and SDPA attention read it the same way. None for flash / flex
         attention (target.attn_implementation): they are causal without a mask and fail on
         a tensor one."""
-        if not getattr(self.target, "takes_4d_mask", True):
+        if not self.target.takes_4d_mask:
             return None
         m = self._masks.get(seq_len)
         if m is None:
@@ -71,7 +77,7 @@ class TargetStep:
             lambda ids: self.target.features(ids, mask), seq_len=n, attention_mask=mask
         )
 
-    def __call__(self, item: WorkItem, counters=None) -> HiddenBatch:
+    def __call__(self, item: WorkItem, counters: WorkerCounters | None = None) -> HiddenBatch:
         b: Batch = item.batch
         if self.cache is not None:
             t0 = time.perf_counter_ns()
@@ -147,32 +153,30 @@ class DrafterStep:
     EXTRA_METRICS = ["grad_norm", "skipped_total", "consecutive_skips"]
 
     @classmethod
-    def metric_names(cls, objective) -> list[str]:
+    def metric_names(cls, objective: Objective) -> list[str]:
         return list(objective.metric_names) + cls.EXTRA_METRICS
 
     def __init__(
         self,
         *,
-        drafter,
-        objective,
-        embed_weight,
-        lm_head,
-        optimizer,
-        scheduler,
-        guard,
+        drafter: torch.nn.Module,
+        objective: Objective,
+        embed_weight: torch.Tensor,
+        lm_head: torch.nn.Module,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        optim_step: GuardedStep,
         generator: torch.Generator,
         device: torch.device,
         grad_accum: int,
         autocast_bf16: bool,
-        ring,
+        ring: ScalarRing | None,
     ):
-        self.drafter = drafter
+        self.drafter = drafter  # or its DDP wrapper
         self.objective = objective
         self.embed_weight = embed_weight
         self.lm_head = lm_head
-        self.opt = optimizer
         self.sched = scheduler
-        self.guard = guard
+        self.optim_step = optim_step  # clip + on-device non-finite skip + AdamW step
         self.generator = generator
         self.device = torch.device(device)
         self.grad_accum = grad_accum
@@ -181,17 +185,18 @@ class DrafterStep:
         self.stream = torch.cuda.current_stream(self.device) if _is_cuda(self.device) else None
         self.timer = StepTimer(self.device)
         self.micro = 0
-        self.cores = None  # CPU pipelines: a pipeline.cores.CoreShare (share_cores)
+        self.cores: CoreShare | None = None  # CPU pipelines (share_cores)
         self._threads_now = 0
 
-    def share_cores(self, cores, threads: int) -> None:
+    def share_cores(self, cores: CoreShare, threads: int) -> None:
         """CPU pipelines: take every core on the steps `cores` allows (pipeline/cores.py);
         `threads` is the team size the worker's Stage set at thread start."""
         self.cores, self._threads_now = cores, threads
 
-    def __call__(self, hb: HiddenBatch, step: int, counters=None) -> bool:
+    def __call__(self, hb: HiddenBatch, step: int, counters: WorkerCounters | None = None) -> bool:
         """Consume one micro-batch. Returns True when it completed an optimizer step."""
         if hb.ready_event is not None:
+            assert self.stream is not None  # events exist on CUDA only
             self.stream.wait_event(hb.ready_event)
             for t in (hb.features, hb.input_ids, hb.loss_mask, hb.target_hidden):
                 if t is not None:
@@ -234,24 +239,25 @@ class DrafterStep:
         t2 = time.perf_counter_ns()
         self.micro += 1
         if stepped:
-            grad_norm, _ = self.guard(out.loss)
+            grad_norm, _ = self.optim_step(out.loss)
             self.sched.step()
             if self.ring is not None:  # None only when observability is switched off
                 vec = torch.cat(
                     [
                         out.metrics.detach().float().reshape(-1),
                         grad_norm.float().reshape(1),
-                        self.guard.skipped.reshape(1),
-                        self.guard.consecutive.reshape(1),
+                        self.optim_step.skipped.reshape(1),
+                        self.optim_step.consecutive.reshape(1),
                     ]
                 )
                 self.ring.push(step + 1, vec)
             if counters is not None:
-                counters.gauges["lr"] = self.sched.get_last_lr()[0]
+                counters.gauges["lr"] = float(self.sched.get_last_lr()[0])  # a Python float
         self.timer.stop(tok, self.stream)
         t3 = time.perf_counter_ns()
         if self.cores is not None:
-            self.cores.record("drafter", t3 - t0, self._threads_now)
+            tokens = hb.input_ids.numel()  # a shape: no device read
+            self.cores.record("drafter", t3 - t0, self._threads_now, tokens, hb.from_cache)
         if counters is not None:
             counters.add_phase("drafter_fwd", t1 - t0)
             counters.add_phase("drafter_bwd", t2 - t1)

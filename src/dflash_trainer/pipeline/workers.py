@@ -11,13 +11,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
+from dflash_trainer.checkpoint import TrainState
 from dflash_trainer.observe.counters import WorkerCounters
+from dflash_trainer.pipeline.cores import CoreShare
 from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkItem
+from dflash_trainer.pipeline.protocols import DrafterStepFn, TargetStepFn
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.stage import Stage
+from dflash_trainer.train.budget import TimeBudget
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +40,18 @@ class TargetWorker(Stage):
         stop,
         threads,
         faults,
-        step_fn,
+        step_fn: TargetStepFn,
         work_q: BoundedQueue,
         hs_q: BoundedQueue,
         lock: threading.Lock,
-        cores=None,
+        cores: CoreShare | None = None,
     ):
         super().__init__(name, events=events, stop=stop, threads=threads, faults=faults)
         self.step_fn, self.work_q, self.hs_q, self.lock = step_fn, work_q, hs_q, lock
         self.cores = cores  # CPU: pipeline.cores.CoreShare (parking, borrowing, the split)
         self.team = threads  # this thread's OpenMP team size now
         self._thread_ns, self._team_since = 0, 0  # the current step's thread-ns (set_team)
-        self._ident = None  # this worker's thread, for the decoder-layer hooks
+        self._ident: int | None = None  # this worker's thread, for the decoder-layer hooks
 
     def on_end(self, item: End) -> None:
         self.work_q.put_nowait(item)  # siblings must see it too
@@ -69,15 +74,17 @@ class TargetWorker(Stage):
 
     def _layer_hook(self, _module, _args):
         # the eval loop runs the same layers from its own thread: only this worker's forward
-        if threading.get_ident() == self._ident:
+        if self.cores is not None and threading.get_ident() == self._ident:
             self.set_team(self.cores.target_layer_threads())
 
     def loop(self) -> None:
         hooks = []
-        layers = getattr(getattr(self.step_fn, "target", None), "layers", None)
-        if self.cores is not None and layers is not None:  # pipeline/cores.py: borrowing
+        if self.cores is not None:  # pipeline/cores.py: borrowing
             self._ident = threading.get_ident()
-            hooks = [layer.register_forward_pre_hook(self._layer_hook) for layer in layers]
+            hooks = [
+                layer.register_forward_pre_hook(self._layer_hook)
+                for layer in self.step_fn.target.layers
+            ]
         try:
             self._loop()
         finally:
@@ -130,21 +137,17 @@ class StepLoop:
     def __init__(
         self,
         *,
-        step_fn,
-        state,
+        step_fn: DrafterStepFn,
+        state: TrainState,
         max_steps: int,
-        on_step_end=None,
-        stop_vote=None,
+        on_step_end: Callable[[int], None] | None = None,
+        stop_vote: Callable[[], bool] | None = None,
         queries_per_row: int = 0,
-        budget=None,
+        budget: TimeBudget | None = None,
     ):
         self.step_fn = step_fn
         self.budget = budget
-        self.state = state  # checkpoint.TrainState
-        if self.state.consumed is None:
-            self.state.consumed = []
-        if self.state.consumed_samples is None:
-            self.state.consumed_samples = []
+        self.state = state
         self.max_steps = max_steps
         self.on_step_end = on_step_end
         self.stop_vote = stop_vote
@@ -238,7 +241,7 @@ class SequentialWorker(Stage):
         stop,
         threads,
         faults,
-        target_step,
+        target_step: TargetStepFn,
         step_loop: StepLoop,
         work_q: BoundedQueue,
         done: threading.Event,

@@ -13,17 +13,21 @@ import torch
 
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.checkpoint import ResumePlan, TrainState
-from dflash_trainer.config import Config, to_dict
+from dflash_trainer.config import Config
+from dflash_trainer.config_io import to_dict
 from dflash_trainer.data.batching import plan_epoch, plan_skipping
+from dflash_trainer.data.chat import TokenizedDataset
 from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.attention import resolve_impl
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.init_target import init_from_target, warm_start
+from dflash_trainer.models.layer_map import Unmappable
 from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.cores import CoreShare
 from dflash_trainer.pipeline.feature_cache import FeatureCache
+from dflash_trainer.pipeline.protocols import Target
 from dflash_trainer.run import rundir
 from dflash_trainer.train.budget import TimeBudget
 from dflash_trainer.train.objective import DFlashObjective
@@ -41,15 +45,15 @@ class RunParts:
     run_dir: Path
     rank: int
     world_size: int
-    target: object  # models.target.TargetModel (or a test double with the same surface)
-    train_set: object  # data.chat.TokenizedDataset
-    heldout: object
+    target: Target  # models.target.TargetModel (or a test double with the same surface)
+    train_set: TokenizedDataset
+    heldout: TokenizedDataset | None  # validation + reported prompts (data/prepare.py)
     drafter: DFlashDrafter
     model: torch.nn.Module  # the drafter, or its DDP wrapper under torchrun
     objective: DFlashObjective
     optimizer: torch.optim.Optimizer
-    scheduler: object
-    guard: GuardedStep
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    optim_step: GuardedStep  # clip + on-device non-finite skip + optimizer step
     generator: torch.Generator  # anchor sampling, per rank
     drafter_device: torch.device
     feature_dtype: torch.dtype
@@ -98,7 +102,9 @@ def share_cores(cfg: Config, hs_q, cache, drafter_threads: int, target_threads: 
     if not park and cache is None:
         return None
     total = drafter_threads + target_threads
-    return CoreShare(hs_q, drafter_threads, total, park=park, adapt=park)
+    return CoreShare(
+        hs_q, drafter_threads, total, park=park, adapt=park, trial_windows=p.share_trial_windows
+    )
 
 
 def count_steps(lengths, cfg: Config, rank: int = 0, world: int = 1) -> tuple[int, list[int]]:
@@ -123,13 +129,14 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
     drafter = DFlashDrafter(dcfg)
     if cfg.drafter.init == "target":
         try:
-            init_from_target(drafter, target.layers, target.final_norm, cfg.drafter.init_tap)
-        except ValueError as e:
+            init_from_target(drafter, target, cfg.drafter.init_tap)
+        except Unmappable as e:
             raise UserError(
-                f"drafter.init=target: {e}. Use drafter.init=random, or drafter shapes equal "
-                "to the target's."
+                f"drafter.init=target: {e}. Start from random weights (--drafter.init=random), "
+                "or, where only some of its layers differ, copy others (--drafter.init_tap)."
             ) from None
-        log.info("drafter starts from the target's last %d layers", dcfg.num_layers)
+        except ValueError as e:
+            raise UserError(f"drafter.init=target: {e}.") from None
     return drafter.to(device)
 
 
@@ -176,7 +183,7 @@ def plan_total_steps(cfg: Config, lengths, plan: ResumePlan | None, rank: int, w
     first = len(
         plan_skipping(lengths, cfg.batching, st.epoch, rank, world, plan.epoch_skip).batches
     )
-    left = first - len(st.consumed or []) + sum(per_epoch[st.epoch + 1 :])
+    left = first - len(st.consumed) + sum(per_epoch[st.epoch + 1 :])
     total = st.step + max(0, left) // cfg.optim.grad_accum
     if cfg.optim.max_steps:
         total = min(total, cfg.optim.max_steps)
@@ -267,7 +274,7 @@ def build_run(
     lr_segments = ckpt.lr_segments(plan, total_steps)
     budget = time_budget(cfg, plan)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments, budget)
-    guard = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, device)
+    optim_step = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, device)
     generator = torch.Generator(device=device)
     generator.manual_seed(p.seed * 1000003 + rank)
     config_dict = to_dict(cfg)
@@ -295,7 +302,7 @@ def build_run(
         objective=objective,
         optimizer=optimizer,
         scheduler=scheduler,
-        guard=guard,
+        optim_step=optim_step,
         generator=generator,
         drafter_device=device,
         feature_dtype=feature_dtype,

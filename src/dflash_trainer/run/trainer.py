@@ -19,11 +19,11 @@ import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +36,7 @@ from dflash_trainer.checkpoint import (
 from dflash_trainer.config import Config
 from dflash_trainer.eval.dtype import drafter_in, dtype_label
 from dflash_trainer.eval.served import parity_gate
+from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import (
     export_drafter,
     export_dtype,
@@ -53,7 +54,7 @@ from dflash_trainer.observe.sinks import build_sinks
 from dflash_trainer.pipeline.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
-from dflash_trainer.pipeline.stage import FaultInjector
+from dflash_trainer.pipeline.stage import FaultInjector, Stage
 from dflash_trainer.pipeline.steps import DrafterStep, TargetStep
 from dflash_trainer.pipeline.workers import (
     DrafterWorker,
@@ -152,7 +153,7 @@ class SteadyRate:
         self.last = (now, tokens)
 
     def rate(self) -> float:
-        if self.first is None or self.last[0] <= self.first[0]:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return 0.0
         return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
 
@@ -170,7 +171,7 @@ def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler
 
 
 def check_taps(cfg: Config, step: TargetStep, name: str) -> None:
-    if not cfg.target.check_taps or not hasattr(step.target, "check_taps"):
+    if not cfg.target.check_taps:
         return
     t0 = time.perf_counter()
     err = step.check()
@@ -277,9 +278,8 @@ class Trainer:
             objective=p.objective,
             embed_weight=p.embed_weight,
             lm_head=p.lm_head,
-            optimizer=p.optimizer,
             scheduler=p.scheduler,
-            guard=p.guard,
+            optim_step=p.optim_step,
             generator=p.generator,
             device=p.drafter_device,
             grad_accum=self.cfg.optim.grad_accum,
@@ -288,17 +288,10 @@ class Trainer:
         )
         return RecordingRing(ring), step
 
-    def _build_stages(self) -> None:
-        """The prefetcher, then target + drafter workers (pipelined) or one sequential worker."""
-        cfg, p, parts = self.cfg, self.cfg.pipeline, self.parts
-        faults = FaultInjector(p.fault, self.rank)
-        pipelined = p.schedule == "pipelined"
-        n_targets = len(p.target_devices) if pipelined else 1
-        # work_q: the prefetcher -> every target worker (or the sequential worker)
-        work_q = BoundedQueue("work", p.work_queue_size, p.timeout_s, consumers=n_targets)
-        t_threads, d_threads = thread_split(cfg)
-        state = parts.state
-        self.prefetcher = BatchPrefetcher(
+    def _build_prefetcher(self, work_q: BoundedQueue, faults: FaultInjector) -> BatchPrefetcher:
+        """From this rank's training position (a resume continues inside its epoch)."""
+        cfg, parts, state = self.cfg, self.parts, self.parts.state
+        return BatchPrefetcher(
             parts.train_set,
             cfg.batching,
             work_q,
@@ -307,11 +300,22 @@ class Trainer:
             epochs=cfg.optim.epochs,
             rank=self.rank,
             world_size=parts.world_size,
-            pin_memory=any(d.startswith("cuda") for d in p.target_devices),
+            pin_memory=any(d.startswith("cuda") for d in cfg.pipeline.target_devices),
             start=(state.epoch, contiguous_prefix(state.consumed)),
             skip_samples=parts.resume.epoch_skip if parts.resume is not None else None,
             faults=faults,
         )
+
+    def _build_stages(self) -> None:
+        """The prefetcher, then target + drafter workers (pipelined) or one sequential worker."""
+        cfg, p, parts = self.cfg, self.cfg.pipeline, self.parts
+        faults = FaultInjector(p.fault, self.rank)
+        pipelined = p.schedule == "pipelined"
+        n_targets = len(p.target_devices) if pipelined else 1
+        # work_q: the prefetcher -> every target worker (or the sequential worker)
+        work_q = BoundedQueue("work", p.work_queue_size, p.poll_s, consumers=n_targets)
+        t_threads, d_threads = thread_split(cfg)
+        self.prefetcher = self._build_prefetcher(work_q, faults)
         # KD and hidden regression: the target step also hands over its final hidden states.
         kd = parts.objective.needs_target_hidden
         self.cache = feature_cache(cfg, parts)
@@ -319,7 +323,7 @@ class Trainer:
         target_step = TargetStep(
             parts.target, parts.drafter_device, parts.feature_dtype, kd, self.cache
         )
-        self.threads: list[threading.Thread] = [self.prefetcher]
+        self.threads: list[Stage] = [self.prefetcher]
         self.queues = [work_q]
         common = dict(events=self.events, stop=self.stop, faults=faults)
         if not pipelined:
@@ -337,7 +341,7 @@ class Trainer:
                 )
             )
             return
-        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.timeout_s, producers=n_targets)
+        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.poll_s, producers=n_targets)
         self.queues.append(hs_q)
         first = parts.target
         targets = [first] if len(p.target_devices) == 1 else replicate_target(cfg, first)
@@ -492,7 +496,8 @@ class Trainer:
         """Snapshot the state at this step boundary and write it: in the background when asked
         and enabled (periodic checkpoints), else before returning (the last one, signals)."""
         parts, loop = self.parts, self.loop
-        extra_meta, extra_blob, gathered = {}, None, None
+        extra_meta: dict[str, Any] = {}
+        extra_blob, gathered = None, None
         if self.dist is not None:
             extra_meta, extra_blob, gathered = self._gather_ranks()
         if self.rank != 0:
@@ -530,8 +535,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ running
     def _supervise(self) -> str:
-        """Run the stages to their end; the reason ("finished", "max_steps", "signal",
-        "time_budget")."""
+        """Run the stages to their end; the reason ("finished", at the end of the data or at
+        optim.max_steps; "signal"; "time_budget")."""
         with self.signals:
             if self.start_steps >= self.parts.total_steps:
                 log.info(
@@ -627,9 +632,7 @@ class Trainer:
         record = training_record(self.parts.config_dict, step=self.loop.state.step)
         dtype = export_dtype(self.cfg.checkpoint.export_dtype)
         export_drafter(self.parts.drafter, tmp, dtype, training=record)
-        if export_dir.exists():
-            shutil.rmtree(export_dir)
-        os.replace(tmp, export_dir)
+        replace_dir(tmp, export_dir)
         return export_dir
 
     def _release(self) -> None:

@@ -234,6 +234,7 @@ class DFlashObjective:
         h_all = hidden.view(B, N, bs, -1)[:, :, 1:]
         h = h_all[:, :, :K]
         valid = label_valid[:, :, 1 : K + 1].float()  # [B,N,K]
+        weigh: _DPaceWeights | _FixedWeights
         if self.weighting == "dpace":
             weigh = _DPaceWeights(self.dpace_alpha)
         else:

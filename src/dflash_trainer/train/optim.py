@@ -70,7 +70,7 @@ def build_scheduler(
     total_steps: int,
     segments: list | None = None,
     budget: TimeBudget | None = None,
-):
+) -> torch.optim.lr_scheduler.LambdaLR:
     """`segments`: see segmented_lr_lambda (None = a fresh total_steps schedule). `budget`: the
     schedule follows wall time instead (train/budget.py)."""
     if budget is not None:
@@ -104,8 +104,8 @@ class GuardedStep:
         finite = torch.isfinite(grad_norm) & torch.isfinite(loss.detach())
         found_inf = (~finite).to(torch.float32)
         # Read by the fused kernel (the GradScaler protocol); grad_scale None = no unscaling.
-        self.opt.grad_scale = None
-        self.opt.found_inf = found_inf
+        self.opt.grad_scale = None  # type: ignore[attr-defined]
+        self.opt.found_inf = found_inf  # type: ignore[attr-defined]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.skipped += found_inf

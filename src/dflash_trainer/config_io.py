@@ -1,0 +1,359 @@
+"""Reading and writing configs: the one parser of every config source, and the generated text.
+
+    defaults  <  preset (presets/NAME.toml)  <  --config FILE.toml  <  --section.field=value
+
+`load_config` applies them in that order; each value is coerced to its field's type and checked
+against its range (config.py declares both). Unknown keys are errors that suggest the closest
+valid key; a renamed key is an error that names the new one (config.RENAMED). `to_toml` (`config
+show`) and `help_text` (`--help`) are generated from the fields' help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.config import PRESET_DIR, RENAMED, Config, ConfigError, validate
+
+# --------------------------------------------------------------------------------------------
+# Introspection
+# --------------------------------------------------------------------------------------------
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def iter_fields(cfg_cls=Config, prefix: str = ""):
+    """Yield (dotted_key, dataclass Field, resolved type) for every leaf field."""
+    hints = _hints(cfg_cls)
+    for f in dataclasses.fields(cfg_cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(tp, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, tp
+
+
+def all_keys() -> list[str]:
+    return [k for k, _, _ in iter_fields()]
+
+
+def _suggest(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is list:
+        return f"list[{typing.get_args(tp)[0].__name__}]"
+    return tp.__name__
+
+
+# --------------------------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------------------------
+
+
+LIST_SYNTAX = 'a,b  or  [a,b]  or  TOML ["a", "b"]  (one item: a; none: [])'
+
+
+def _unquote(item: str) -> str:
+    item = item.strip()
+    if len(item) >= 2 and item[0] == item[-1] and item[0] in "'\"":
+        return item[1:-1]
+    return item
+
+
+def parse_list(text: str) -> list:
+    """A list flag as users type it: `a,b`, `[a,b]`, `["a","b"]` / `['a']` (TOML), `[1, 2]`;
+    '' and `[]` are empty. ValueError when it is none of these (e.g. an unclosed bracket)."""
+    s = text.strip()
+    if not s.startswith("["):
+        return [_unquote(v) for v in s.split(",") if v.strip()]
+    if not s.endswith("]"):
+        raise ValueError("unclosed [")
+    try:
+        value = tomllib.loads(f"v = {s}")["v"]
+    except tomllib.TOMLDecodeError:
+        inner = s[1:-1]
+        if "[" in inner or "]" in inner:
+            raise ValueError("nested brackets") from None
+        return [_unquote(v) for v in inner.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ValueError("not a list")
+    return value
+
+
+def _coerce(key: str, tp, value: Any) -> Any:
+    """Turn a TOML value or a flag string into the field's type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        why = ""
+        try:
+            items = parse_list(value) if isinstance(value, str) else value
+            if isinstance(items, list):
+                out = []
+                for v in items:
+                    try:
+                        out.append(_coerce(key, item_tp, v))
+                    except ConfigError:
+                        why = f" (item {v!r} is not {item_tp.__name__})"
+                        raise
+                return out
+        except (TypeError, ValueError):  # a ConfigError is a ValueError too
+            pass
+        raise ConfigError(
+            f"{key}: cannot read {value!r} as {_type_name(tp)}{why}. Write a list as {LIST_SYNTAX}."
+        )
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in {"true", "1", "yes", "on"}:
+                return True
+            if isinstance(value, str) and value.lower() in {"false", "0", "no", "off"}:
+                return False
+            raise TypeError
+        if tp is int:
+            if isinstance(value, bool):
+                raise TypeError
+            if isinstance(value, float) and not value.is_integer():
+                raise TypeError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if tp is str:
+            if not isinstance(value, str):
+                raise TypeError
+            return value
+    except (TypeError, ValueError, json.JSONDecodeError):
+        pass
+    raise ConfigError(f"{key}: cannot read {value!r} as {_type_name(tp)}.")
+
+
+def _check_range(key: str, f: dataclasses.Field, value: Any) -> None:
+    m = f.metadata
+    if m.get("choices") and value not in m["choices"]:
+        raise ConfigError(
+            f"{key}: {value!r} is not one of {', '.join(map(repr, m['choices']))}."
+            + _suggest(str(value), [str(c) for c in m["choices"]])
+        )
+    lo, hi = m.get("min"), m.get("max")
+    vals = value if isinstance(value, list) else [value]
+    for v in vals:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+                raise ConfigError(f"{key}: {v!r} is outside the valid range {rng}.")
+
+
+def _get_parent(cfg: Config, key: str):
+    *path, leaf = key.split(".")
+    obj = cfg
+    for p in path:
+        obj = getattr(obj, p)
+    return obj, leaf
+
+
+def _renamed(key: str, origin: str, flag: bool = False) -> ConfigError:
+    dash = "--" if flag else ""
+    return ConfigError(
+        f"'{dash}{key}' (from {origin}) was renamed to '{dash}{RENAMED[key]}'; use the new name."
+    )
+
+
+def set_value(cfg: Config, key: str, value: Any, *, origin: str = "flag") -> None:
+    fields = {k: (f, tp) for k, f, tp in iter_fields()}
+    if key in RENAMED:
+        raise _renamed(key, origin)
+    if key not in fields:
+        raise ConfigError(
+            f"unknown config key '{key}' (from {origin})."
+            + _suggest(key, list(fields))
+            + " See `dflash-trainer config show`."
+        )
+    f, tp = fields[key]
+    v = _coerce(key, tp, value)
+    _check_range(key, f, v)
+    obj, leaf = _get_parent(cfg, key)
+    setattr(obj, leaf, v)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def apply_mapping(cfg: Config, mapping: dict, origin: str) -> None:
+    for key, value in _flatten(mapping).items():
+        set_value(cfg, key, value, origin=origin)
+
+
+def load_toml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist.")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}. Fix the file and retry.") from None
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+# Short flags users type, and the key each one sets.
+ALIASES = {"resume_from": "checkpoint.resume_from"}
+_BOOL_WORDS = {"true", "1", "yes", "on", "false", "0", "no", "off"}
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """['--a.b=1', '--c.d', '2'] -> [('a.b','1'), ('c.d','2')]; anything else is an error.
+    A boolean field given alone (`--overwrite`) is true; `--resume-from PATH` is
+    `--checkpoint.resume_from=PATH` (ALIASES)."""
+    keys = {k: tp for k, _, tp in iter_fields()}
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or len(a) == 2:
+            raise ConfigError(
+                f"unexpected argument '{a}'; overrides look like --section.field=VALUE."
+            )
+        body = a[2:]
+        k, v = body.split("=", 1) if "=" in body else (body, None)
+        k = k.replace("-", "_")
+        k = ALIASES.get(k, k)
+        if k in RENAMED:
+            raise _renamed(k, "the command line", flag=True)
+        if k not in keys:
+            raise ConfigError(
+                f"unknown flag '--{k}'."
+                + _suggest(k, list(keys)).replace("'", "'--", 1)
+                + " See --help for every field."
+            )
+        if v is None:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if keys[k] is bool and (nxt is None or nxt.lower() not in _BOOL_WORDS):
+                v = "true"
+            elif nxt is None:
+                raise ConfigError(f"flag '{a}' needs a value: {a}=VALUE.")
+            else:
+                v = nxt
+                i += 1
+        out.append((k, v))
+        i += 1
+    return out
+
+
+def apply_saved(cfg: Config, saved: dict, origin: str) -> list[str]:
+    """Apply a config saved by another version of the trainer (an export's training.json):
+    keys this version does not know are skipped and returned, not errors."""
+    known = set(all_keys())
+    flat = {RENAMED.get(k, k): v for k, v in _flatten(saved).items()}  # older versions' names
+    for key, value in flat.items():
+        if key in known:
+            set_value(cfg, key, value, origin=origin)
+    return sorted(k for k in flat if k not in known)
+
+
+def load_config(
+    preset: str | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | tuple = (),
+    base: dict | None = None,
+) -> Config:
+    """defaults < `base` (a saved config, e.g. an export's training config) < preset <
+    --config file < flags."""
+    cfg = Config()
+    if base:
+        apply_saved(cfg, base, origin="the recorded training config")
+    if preset:
+        path = PRESET_DIR / f"{preset}.toml"
+        if not path.is_file():
+            raise ConfigError(
+                f"unknown preset '{preset}'."
+                + _suggest(preset, list_presets())
+                + f" Available: {', '.join(list_presets())}."
+            )
+        apply_mapping(cfg, load_toml(path), origin=f"preset {preset}")
+    if config_file:
+        apply_mapping(cfg, load_toml(config_file), origin=str(config_file))
+    for k, v in parse_overrides(list(overrides)):
+        set_value(cfg, k, v, origin=f"--{k}")
+    return validate(cfg)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+    """Rebuild a Config from to_dict() output (checkpoints). Unknown keys are errors."""
+    cfg = Config()
+    apply_mapping(cfg, d, origin="saved config")
+    return validate(cfg)
+
+
+def to_toml(cfg) -> str:
+    """Render as TOML (sections as tables), with each field's help as a comment."""
+    lines: list[str] = []
+    top, sections = [], []
+    hints = _hints(Config)
+    for f in dataclasses.fields(Config):
+        if dataclasses.is_dataclass(hints[f.name]):
+            sections.append(f)
+        else:
+            top.append(f)
+
+    def render(obj, flds):
+        for f in flds:
+            v = getattr(obj, f.name)
+            unit = f.metadata.get("unit")
+            lines.append(f"# {f.metadata.get('help', '')}" + (f" [{unit}]" if unit else ""))
+            lines.append(f"{f.name} = {json.dumps(v)}")
+
+    render(cfg, top)
+    for s in sections:
+        lines.append("")
+        lines.append(f"[{s.name}]")
+        sub = getattr(cfg, s.name)
+        render(sub, dataclasses.fields(sub))
+    return "\n".join(lines) + "\n"
+
+
+def help_text() -> str:
+    """Every field with its type, unit, default and valid range: the body of --help."""
+    out = []
+    defaults = Config()
+    for key, f, tp in iter_fields():
+        obj, leaf = _get_parent(defaults, key)
+        m = f.metadata
+        extra = []
+        if m.get("unit"):
+            extra.append(f"unit: {m['unit']}")
+        if m.get("choices"):
+            extra.append("one of " + "/".join(m["choices"]))
+        if m.get("min") is not None or m.get("max") is not None:
+            lo = "-inf" if m.get("min") is None else m["min"]
+            hi = "inf" if m.get("max") is None else m["max"]
+            extra.append(f"range [{lo}, {hi}]")
+        if typing.get_origin(tp) is list:
+            extra.append('a list: a,b or [a,b] or TOML ["a", "b"]')
+        extra.append(f"default: {json.dumps(getattr(obj, leaf))}")
+        out.append(f"  --{key}=<{_type_name(tp)}>\n      {m.get('help', '')} ({'; '.join(extra)})")
+    return "\n".join(out)

@@ -1,0 +1,52 @@
+"""What `auto` means on each kind of CPU (models/precision.py), and the seam tests set it by."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trainer.models import precision as P
+
+
+@pytest.mark.parametrize(
+    "onednn, flags, native",
+    [
+        (True, {"avx2", "avx512f", "avx512bw", "avx512vl"}, False),  # Skylake: oneDNN emulates
+        (True, {"avx2", "avx512f", "avx512_bf16"}, True),  # Zen 4, Cooper Lake
+        (True, {"avx2", "avx512f", "amx_bf16", "amx_tile"}, True),  # Sapphire Rapids
+        (False, {"avx2"}, False),  # AVX2-only EPYC
+        (False, {"amx_bf16"}, False),  # torch without oneDNN bf16 kernels
+        (True, set(), True),  # flags unknown (not Linux): oneDNN's answer stands
+    ],
+)
+def test_native_bf16_needs_the_instructions_not_only_onednn(onednn, flags, native):
+    assert P.native_bf16_from(onednn, flags) is native
+
+
+def test_the_probe_agrees_with_this_cpus_flags():
+    """Whatever this machine is, the real probe says what its flags say (oneDNN present)."""
+    _, flags = P._cpuinfo()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this system")
+    onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert P._probe_cpu_bf16() == (onednn and any(f in flags for f in P.BF16_FLAGS))
+
+
+def test_auto_follows_the_answer(cpu_native_bf16):
+    assert P.cpu_has_native_bf16() is cpu_native_bf16
+    want = "bfloat16" if cpu_native_bf16 else "float32"
+    assert P.dtype_name("auto", "cpu") == want
+    assert P.resolve_dtype("auto", "cpu") == P.DTYPES[want]
+    assert P.use_autocast("auto", "cpu") is cpu_native_bf16
+    assert P.dtype_name("float32", "cpu") == "float32"  # explicit names are never resolved
+    assert P.use_autocast("fp32", "cpu") is False and P.use_autocast("bf16", "cpu") is True
+    assert P.dtype_name("auto", "cuda") == "bfloat16"  # every CUDA GPU this runs on has bf16
+    assert f"auto = {want}" in P.cpu_kind()
+
+
+def test_the_seam_refuses_a_value_it_cannot_read(monkeypatch):
+    monkeypatch.setenv(P.NATIVE_BF16_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{P.NATIVE_BF16_ENV}='yes': set it to 0 or 1"):
+        P.cpu_has_native_bf16()
+    monkeypatch.delenv(P.NATIVE_BF16_ENV)
+    assert P.cpu_has_native_bf16() is P._probe_cpu_bf16()
