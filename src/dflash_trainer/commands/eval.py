@@ -55,11 +55,23 @@ def run(cfg: Config, args) -> int:
     output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
     target, drafter, block_size = load_eval_pair(cfg, drafter_dir, device)
     dtype = eval_dtype(cfg.eval.dtype, device, target.dtype)  # cast copies where it differs
+    served_check = cfg.eval.engine == "vllm" or cfg.eval.parity != "off"
+    if served_check and target.dtype != dtype:
+        log.warning(
+            "eval: the target decodes in %s from weights loaded in %s (target.dtype=%s); vLLM "
+            "loads the model directory in %s, so outputs can differ for that reason alone: pass "
+            "--target.dtype=%s for a token-exact served comparison",
+            dtype_label(dtype),
+            dtype_label(target.dtype),
+            cfg.target.dtype,
+            dtype_label(dtype),
+            dtype_label(dtype),
+        )
     target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
     results = evaluate_datasets(cfg, target, drafter, block_size)
     print(format_table(results))
     served = None
-    if cfg.eval.engine == "vllm" or cfg.eval.parity != "off":
+    if served_check:
         if (
             cfg.eval.engine == "vllm"
             or cfg.eval.parity == "on"
