@@ -58,25 +58,25 @@ def test_parity_gate_names_what_diverged():
 
 
 def test_generate_engine_choice(tmp_path, monkeypatch):
-    from dflash_trainer.commands import generate as cmd
     from dflash_trainer.config import Config
+    from dflash_trainer.data import generate as gen
 
     cfg = Config()
-    assert cmd._engine(cfg, "hf", 10**9) == ("hf", None)
-    assert cmd._engine(cfg, "auto", cmd.AUTO_VLLM_MIN_BUDGET - 1) == ("hf", None)  # small job
+    assert gen.choose_engine(cfg, "hf", 10**9) == ("hf", None)
+    assert gen.choose_engine(cfg, "auto", gen.AUTO_VLLM_MIN_BUDGET - 1) == ("hf", None)  # small job
     cfg.target.dtype = "float32"
-    assert cmd._engine(cfg, "auto", 10**9) == ("hf", None)  # float32: the two run alike
+    assert gen.choose_engine(cfg, "auto", 10**9) == ("hf", None)  # float32: the two run alike
     cfg.target.dtype = "bfloat16"
     cfg.eval.vllm_python = str(tmp_path / "nowhere" / "python")
     with pytest.raises(UserError, match="does not exist"):
-        cmd._engine(cfg, "vllm", 10**6)
+        gen.choose_engine(cfg, "vllm", 10**6)
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "python").touch()
     (tmp_path / "venv" / ".unavailable").write_text("no wheel for this platform")
     cfg.eval.vllm_python = str(tmp_path / "venv" / "bin" / "python")
-    assert cmd._engine(cfg, "auto", 10**6) == ("hf", None)  # auto: not installed -> the loop
+    assert gen.choose_engine(cfg, "auto", 10**6) == ("hf", None)  # auto: not installed -> the loop
     with pytest.raises(UserError, match="no wheel for this platform"):
-        cmd._engine(cfg, "vllm", 10**6)
+        gen.choose_engine(cfg, "vllm", 10**6)
 
 
 def test_the_parity_gate_runs_after_the_export_and_stops_the_run(tmp_path, monkeypatch):
