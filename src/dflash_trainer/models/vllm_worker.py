@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
         ignore_eos=bool(req.get("ignore_eos", False)),
     )
     prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in req["prompts"]]
-    results = []
+    results: list[dict] = []
     t1 = time.perf_counter()
     if req.get("mode", "decode") == "generate":
         for o in llm.generate(prompts, sp, use_tqdm=False):
@@ -106,10 +106,10 @@ def main(argv: list[str]) -> int:
     else:
         spec = bool(req.get("drafter"))
         for p in prompts:
-            before = _counters(llm) if spec else None
+            before = _counters(llm) if spec else {}
             ts = time.perf_counter()
             o = llm.generate([p], sp, use_tqdm=False)[0]
-            r = {"tokens": list(o.outputs[0].token_ids), "seconds": time.perf_counter() - ts}
+            r: dict = {"tokens": list(o.outputs[0].token_ids), "seconds": time.perf_counter() - ts}
             if spec:
                 r.update(_diff(_counters(llm), before))
             results.append(r)

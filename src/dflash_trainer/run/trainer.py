@@ -616,6 +616,7 @@ class Trainer:
             log.warning("parity gate: no export or no held-out prompts to serve; skipped")
             return None
         target = ev._eval_target()  # in eval.dtype
+        assert ev.dtype is not None  # set whenever there are held-out prompts (pinned above)
         # the export as written (its stored dtype), then cast like every evaluation
         drafter = drafter_in(load_drafter(export_dir, target.device), ev.dtype)
         prompts = [e.prompt for e in pinned]
