@@ -35,15 +35,22 @@ from dflash_trainer.models.export import load_drafter
 from memorised import BLOCK, NEW_TOKENS
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1500)  # two vLLM engine starts (~30-55 s each on 2 busy cores) + decoding
-def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
+def _vllm_python_or_skip():
+    """The vLLM venv's python; a skip naming why where vLLM cannot run, a failure under
+    DFLASH_REQUIRE_VLLM=1 (.ci/run on Linux x86_64, where the wheel exists)."""
     python = find_vllm_python()
     why = vllm_unavailable(python)
     if why:
         if os.environ.get("DFLASH_REQUIRE_VLLM") == "1":
             pytest.fail(f"DFLASH_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
         pytest.skip(f"vLLM unavailable: {why}")
+    return python
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # two vLLM engine starts (~30-55 s each on 2 busy cores) + decoding
+def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
+    python = _vllm_python_or_skip()
     m = memorised
     # the export as written by default (bf16 weights), decoded in float32 by both loops (vLLM
     # runs the draft in the target's dtype)
@@ -96,12 +103,7 @@ def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path):
 
     from dflash_trainer.data.generate import generate_responses
 
-    python = find_vllm_python()
-    why = vllm_unavailable(python)
-    if why:
-        if os.environ.get("DFLASH_REQUIRE_VLLM") == "1":
-            pytest.fail(f"DFLASH_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
-        pytest.skip(f"vLLM unavailable: {why}")
+    python = _vllm_python_or_skip()
     m = memorised
     engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
     how = dict(max_new_tokens=NEW_TOKENS, batch_size=len(m.picked), progress=False)
