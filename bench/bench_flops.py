@@ -14,6 +14,7 @@ import time
 import torch
 
 from dflash_trainer.config_io import load_config
+from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.run.build import build_drafter
@@ -69,7 +70,7 @@ def main():
     )
     gen = torch.Generator().manual_seed(0)
 
-    bf16 = cfg.pipeline.precision == "bf16"
+    bf16 = use_autocast(cfg.pipeline.precision, "cpu")  # as the trainer decides
 
     def dstep():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
