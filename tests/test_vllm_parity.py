@@ -35,6 +35,12 @@ from dflash_trainer.models.export import load_drafter
 from memorised import BLOCK, NEW_TOKENS
 
 
+def _show(capsys, text: str) -> None:
+    """Into the test run's own output (CI's log), not only when the test fails."""
+    with capsys.disabled():
+        print(text, flush=True)
+
+
 def _vllm_python_or_skip():
     """The vLLM venv's python; a skip naming why where vLLM cannot run, a failure under
     DFLASH_REQUIRE_VLLM=1 (.ci/run on Linux x86_64, where the wheel exists)."""
@@ -49,7 +55,7 @@ def _vllm_python_or_skip():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # two vLLM engine starts (~30-55 s each on 2 busy cores) + decoding
-def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
+def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised, capsys):
     python = _vllm_python_or_skip()
     m = memorised
     # the export as written by default (bf16 weights), decoded in float32 by both loops (vLLM
@@ -74,7 +80,8 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
     engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
     served = served_evaluate(engine, m.export_dir, m.prompt_ids, NEW_TOKENS, BLOCK, stop)
     s = served.summary
-    print(
+    _show(
+        capsys,
         f"\nvLLM {served.vllm_version} parity on {len(m.prompt_ids)} memorised prompts x "
         f"{NEW_TOKENS} tokens, block {BLOCK}: served tau {s.tau:.3f} (vLLM mean acceptance "
         f"length {served.mean_acceptance_length:.3f}), project tau {ours.tau:.3f}, reference "
@@ -84,7 +91,7 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
         f"identical to ours on "
         f"{sum(a.tokens == b.tokens for a, b in zip(s.spec_results, ours.spec_results))} of "
         f"{len(m.prompt_ids)}; engine start {served.startup_s:.0f} s, vLLM wall "
-        f"{served.wall_s:.0f} s"
+        f"{served.wall_s:.0f} s",
     )
     assert ours.tau > 3.0, ours.tau  # the drafter did memorise: parity at high acceptance
     assert [r.tokens for r in s.ar_results] == [r.tokens for r in ours.spec_results]
@@ -96,7 +103,7 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path):
+def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path, capsys):
     """`generate --engine vllm`: the same greedy answers as the project's decode loop (float32),
     vLLM's sampling parameters in each record's provenance."""
     import json
@@ -118,10 +125,11 @@ def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path):
 
     a, b = read("hf.jsonl"), read("vllm.jsonl")
     same = sum(a[k]["messages"][-1] == b[k]["messages"][-1] for k in a)
-    print(
+    _show(
+        capsys,
         f"\ngenerate on {len(a)} prompts x {NEW_TOKENS} tokens (float32): hf "
         f"{hf['tokens_per_s']:.1f} tok/s, vllm {vl['tokens_per_s']:.1f} tok/s (engine start "
-        f"included); identical answers {same} of {len(a)}"
+        f"included); identical answers {same} of {len(a)}",
     )
     assert a.keys() == b.keys() and same == len(a)
     prov = next(iter(b.values()))["provenance"]
