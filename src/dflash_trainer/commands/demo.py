@@ -140,8 +140,7 @@ def _heldout_checks(cfg: Config, eval_target, export_dir, report, dtype, block) 
     bars = cfg.metrics.console
     how: dict[str, Any] = dict(baseline=False, progress=bars, packed=cfg.target.packed_linear)
     spec = evaluate(eval_target, drafter, prompts, n, block, **how)
-    # None: plain decoding (eval.specdecode.evaluate's annotation lacks it)
-    ar = evaluate(eval_target, None, prompts, n, 1, **how).spec_results  # type: ignore[arg-type]
+    ar = evaluate(eval_target, None, prompts, n, 1, **how).spec_results  # None: plain greedy
     s = summarize(spec.spec_results, ar, block)
     stop = eval_target.eos_token_ids
     ref = reference_tau(export_dir, eval_target.model, prompts, n, block, stop, progress=bars)

@@ -32,12 +32,7 @@ from dflash_trainer.models.embedded import cache_root
 from dflash_trainer.models.kv_cache import cache_kwarg, new_kv_cache
 from dflash_trainer.models.precision import dtype_name
 from dflash_trainer.models.target import TargetModel
-from dflash_trainer.models.vllm_engine import (
-    VLLMEngine,
-    engine_target,
-    find_vllm_python,
-    vllm_unavailable,
-)
+from dflash_trainer.models.vllm_engine import VLLMEngine, engine_for_config
 from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)
@@ -512,17 +507,12 @@ def choose_engine(cfg, choice: str, budget: int) -> tuple[str, VLLMEngine | None
         choice == "auto" and (budget < AUTO_VLLM_MIN_BUDGET or dtype == "float32")
     ):
         return "hf", None
-    python = find_vllm_python(cfg.eval.vllm_python)
-    why = vllm_unavailable(python)
-    if why:
-        if choice == "vllm":
-            raise UserError(f"generate --engine vllm: {why}")
+    needed = "generate --engine vllm" if choice == "vllm" else ""
+    eng, why = engine_for_config(cfg, dtype, required=needed)
+    if eng is None:
         log.info("generate: vLLM not available (%s); the project's decode loop", why)
         return "hf", None
-    threads = cfg.pipeline.cpu_threads if cfg.pipeline.cpu_threads > 0 else 0
-    revision = None if str(cfg.target.model).startswith("embedded:") else cfg.target.revision
-    eng = VLLMEngine(python, engine_target(cfg.target), dtype, revision or None, threads=threads)
-    log.info("generate: vLLM (%s) serving %s in %s", python, eng.target, dtype)
+    log.info("generate: vLLM (%s) serving %s in %s", eng.python, eng.target, dtype)
     return "vllm", eng
 
 

@@ -45,6 +45,7 @@ from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.specdecode import GenResult
 from dflash_trainer.models.vllm_engine import (  # noqa: F401  (re-exported for callers and tests)
     VLLMEngine,
+    engine_for_config,
     engine_target,
     find_vllm_python,
     vllm_unavailable,
@@ -269,21 +270,6 @@ def check_parity(
         )
 
 
-def engine_for(cfg: Any, dtype: str, required: bool) -> VLLMEngine | None:
-    """A VLLMEngine for cfg.target in `dtype`; None (with a warning) where vLLM is missing and
-    not `required`, a UserError where it is."""
-    python = find_vllm_python(cfg.eval.vllm_python)
-    why = vllm_unavailable(python)
-    if why:
-        if required:
-            raise UserError(f"vLLM is needed here but cannot run: {why}")
-        log.warning("vLLM not available, served evaluation skipped: %s", why)
-        return None
-    revision = None if str(cfg.target.model).startswith("embedded:") else cfg.target.revision
-    threads = int(getattr(cfg.pipeline, "cpu_threads", 0) or 0)
-    return VLLMEngine(python, engine_target(cfg.target), dtype, revision or None, threads=threads)
-
-
 def parity_gate(
     cfg: Any,
     target: Any,
@@ -298,8 +284,10 @@ def parity_gate(
     mode = cfg.eval.parity
     if mode == "off" or not prompts:
         return None
-    engine = engine_for(cfg, dtype, required=mode == "on")
+    needed = "vLLM is needed here but cannot run" if mode == "on" else ""
+    engine, why = engine_for_config(cfg, dtype, required=needed)
     if engine is None:
+        log.warning("vLLM not available, served evaluation skipped: %s", why)
         return None
     from dflash_trainer.eval.specdecode import evaluate
 
@@ -356,7 +344,7 @@ def compare_served(
         raise UserError(
             "eval.engine=vllm compares greedy decoding token by token; set --eval.temperature=0."
         )
-    engine = engine_for(cfg, dtype, required=True)
+    engine, _ = engine_for_config(cfg, dtype, required="vLLM is needed here but cannot run")
     drafter_cfg = _read_config(export_dir)
     stop = list(target.eos_token_ids)
     n = cfg.eval.max_new_tokens

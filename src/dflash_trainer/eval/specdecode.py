@@ -503,7 +503,7 @@ def _unwrap(drafter: Any) -> Any:
 
 def evaluate(
     target: Any,
-    drafter: Drafter,
+    drafter: Drafter | None,
     prompts: Sequence[Any],
     max_new_tokens: int,
     block_size: int,

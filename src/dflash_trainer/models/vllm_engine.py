@@ -85,6 +85,24 @@ def engine_target(target_cfg: Any) -> str:
     return model
 
 
+def engine_for_config(cfg: Any, dtype: str, required: str = "") -> tuple[VLLMEngine | None, str]:
+    """(a VLLMEngine serving the run's target (engine_target, at its pinned revision; none for
+    the embedded target, a local directory) in `dtype` with the run's CPU threads, "") where
+    vLLM can run; else (None, why), or with `required` (what needs it) a UserError naming both."""
+    python = find_vllm_python(cfg.eval.vllm_python)
+    why = vllm_unavailable(python)
+    if why or python is None:
+        if required:
+            raise UserError(f"{required}: {why}")
+        return None, str(why)
+    model = str(cfg.target.model)
+    revision = None if model.startswith("embedded:") else (cfg.target.revision or None)
+    engine = VLLMEngine(
+        python, engine_target(cfg.target), dtype, revision, threads=cfg.pipeline.cpu_threads
+    )
+    return engine, ""
+
+
 @dataclass
 class VLLMEngine:
     """vLLM's offline engine in its own environment (one subprocess per `run`)."""

@@ -89,23 +89,25 @@ class ShareTrial:
         self.rates[self.sharing].append(self._tokens / max(now_ns - self._t0, 1) * 1e9)
         self._t0, self._n, self._tokens = now_ns, 0, 0
         if len(self.rates[False]) >= self.windows:
-            on, off = (statistics.median(self.rates[m]) for m in (True, False))
+            on, off = self.medians()
             self.decided = on >= off
             return self.decided
         self.sharing = not self.sharing
         return self.sharing
 
+    def medians(self) -> tuple[float, float]:
+        """Median tokens/s of the windows with sharing on and with it off (both measured)."""
+        return statistics.median(self.rates[True]), statistics.median(self.rates[False])
+
     def summary(self) -> str:
         if not self.rates[False]:
             return "not measured"
-        on, off = (statistics.median(self.rates[m]) for m in (True, False))
+        on, off = self.medians()
         verdict = {None: "still measuring", True: "kept", False: "switched off"}[self.decided]
-        n = len(self.rates[True])
+        windows = f"{len(self.rates[True])}+{len(self.rates[False])} windows of {self.steps} steps"
         return (
             f"sharing measured {on:.0f} vs the fixed split {off:.0f} tok/s "
-            f"({on / max(off, 1e-9):.3f}x, {n}+{len(self.rates[False])} windows of {self.steps} "
-            f"steps): "
-            f"{verdict}"
+            f"({on / max(off, 1e-9):.3f}x, {windows}): {verdict}"
         )
 
 
