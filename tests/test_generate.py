@@ -126,6 +126,9 @@ def test_batched_greedy_matches_naive_loop_and_stops_at_eos(target, tmp_path):
             "temperature": 0.0,
             "top_p": 1.0,
             "thinking": False,
+            "engine": "hf",
+            "seed": 0,
+            "dtype": "float32",
             "finish_reason": reason,
         }
         finish.add(reason)
@@ -190,6 +193,28 @@ def test_sampling_is_seeded(target, tmp_path):
     assert read(a) == read(b)
     assert read(a) != read(c)
     assert read(a)[0]["provenance"]["temperature"] == 1.0
+
+
+def test_sampled_answers_record_how_they_were_sampled(target, tmp_path):
+    """A sampled answer is reproducible from its record: temperature, top_p, seed, engine,
+    dtype (and the revision a caller adds) in every record, next to the resume settings."""
+    out = tmp_path / "s.jsonl"
+    kw = dict(max_new_tokens=6, batch_size=2, temperature=0.8, top_p=0.9, progress=False)
+    generate_responses(
+        target, PROMPTS, out, seed=7, extra_provenance={"target_revision": "abc"}, **kw
+    )
+    for rec in read(out):
+        prov = rec["provenance"]
+        assert {k: prov[k] for k in ("temperature", "top_p", "seed", "engine", "dtype")} == {
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "seed": 7,
+            "engine": "hf",
+            "dtype": "float32",
+        }
+        assert prov["target_revision"] == "abc" and prov["finish_reason"] in ("stop", "length")
+    # another seed is not a different setting for resuming (seeded per batch): it resumes
+    assert generate_responses(target, PROMPTS, out, seed=8, **kw)["skipped_done"] == 5
 
 
 def test_prompt_is_the_turns_before_the_first_assistant_turn(target, tmp_path):

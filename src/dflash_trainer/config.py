@@ -551,6 +551,51 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class SynthConfig:
+    """Prompt synthesis without a hub (data/synthesize.py): the target writes user turns."""
+
+    prompts: int = _f(
+        0,
+        "`generate`: synthesise this many user prompts with the target itself (its chat "
+        "template up to a user turn, sampled until the turn ends; filtered, deduplicated, never "
+        "near a prompt of synth.exclude) and answer them instead of --prompts; 0 = off",
+        unit="prompts",
+        min=0,
+    )
+    seed: int = _f(0, "seed of the synthesis (same seed, settings and engine = same prompts)")
+    temperature: float = _f(1.0, "sampling temperature of the user turns", min=0.01)
+    top_p: float = _f(0.95, "nucleus mass of the user turns", min=0.01, max=1.0)
+    max_tokens: int = _f(
+        96, "longest user turn; a turn cut at this length is dropped", unit="tokens", min=4
+    )
+    min_chars: int = _f(16, "shortest user turn kept", unit="chars", min=1)
+    near_duplicate: float = _f(
+        0.6,
+        "word 3-gram Jaccard (or containment in an excluded prompt) at or above which a "
+        "prompt counts as a near-duplicate and is dropped",
+        min=0.05,
+        max=1.0,
+    )
+    hints: list[str] = _f(
+        ["", "Write a Python function that"],
+        "openings of the user turn, used in turn ('' = free: the template alone; e.g. a code "
+        "hint steers a share of the prompts to code)",
+    )
+    system_prompt: str = _f(
+        "", "system message rendered before the user turn ('' = the template's own default)"
+    )
+    exclude: list[str] = _f(
+        ["embedded"],
+        "prompt sets never emitted, even nearly: 'embedded' (every MT-Bench and HumanEval "
+        "prompt, a superset of their held-out split) and prompt files (a run's heldout.jsonl "
+        "and validation.jsonl, any conversation file)",
+    )
+    max_rounds: int = _f(
+        6, "sampling rounds before giving up on reaching synth.prompts", min=1, max=1000
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     run_dir: str = _f(
         "runs/default",
@@ -571,6 +616,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    synth: SynthConfig = field(default_factory=SynthConfig)
 
 
 # Keys that were renamed: old key -> new key. Reading an old key is an error that names the new

@@ -331,6 +331,7 @@ def generate_responses(
     progress: bool = True,
     engine: str = "hf",
     vllm: Any = None,
+    extra_provenance: dict | None = None,
 ) -> dict:
     """Append one record per not-yet-done prompt to `out_path`. Returns counts and tokens/s.
 
@@ -342,6 +343,8 @@ def generate_responses(
     `engine`: "hf" = the batched decode loop here (decode_batch); "vllm" = vLLM's offline engine
     (`vllm`: a models/vllm_engine.VLLMEngine serving this target), all prompts in one engine call
     (resumable per call, not per batch), its sampling parameters in each record's provenance.
+    Every record's provenance names the engine, the seed and the target's dtype (a sampled
+    answer is reproducible from them), plus `extra_provenance` (e.g. the target revision).
     """
     rendering = rendering or Rendering()
     if max_new_tokens < 1 or batch_size < 1:
@@ -357,6 +360,11 @@ def generate_responses(
         "top_p": top_p,
         "thinking": rendering.enable_thinking,
         **rendering.identity(),
+        # not settings a resumed file must share (_PROVENANCE_KEYS): files from before them resume
+        "engine": engine,
+        "seed": seed,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        **(extra_provenance or {}),
     }
     done = read_done_ids(path, expect=provenance)
     todo = _todo(prompts, done, target.tokenizer, rendering)
@@ -520,6 +528,9 @@ def generate_with(choice: str, cfg, target, prompts, out, **how) -> dict:
     """generate_responses on the engine `choice` (hf | vllm | auto: choose_engine) picks for
     this job; under auto, a target vLLM cannot serve falls back to the project's loop (vLLM
     wrote nothing)."""
+    if cfg.target.revision:
+        extra = {"target_revision": cfg.target.revision, **how.get("extra_provenance", {})}
+        how["extra_provenance"] = extra
     budget = len(prompts) * how.get("max_new_tokens", 256)
     engine, vllm = choose_engine(cfg, choice, budget)
     try:

@@ -127,8 +127,10 @@ class VLLMEngine:
         top_p: float = 1.0,
         seed: int = 0,
         mode: str = "decode",
+        n: int = 1,
     ) -> dict:
-        """The worker's result dict (models/vllm_worker.py) for `prompts`."""
+        """The worker's result dict (models/vllm_worker.py) for `prompts`. `n` > 1 (mode
+        "generate"): that many sampled continuations per prompt, each result's "samples"."""
         req = {
             "target": self.target,
             "drafter": str(Path(drafter).resolve()) if drafter else None,
@@ -141,6 +143,7 @@ class VLLMEngine:
             "top_p": top_p,
             "seed": seed,
             "mode": mode,
+            "n": int(n),
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
             "kv_cache_gb": self.kv_cache_gb,

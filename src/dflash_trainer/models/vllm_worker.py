@@ -14,6 +14,9 @@ Request (JSON):
   max_tokens, stop_token_ids, temperature, top_p, seed   SamplingParams
   mode             "decode": acceptance per prompt (prompts one at a time, batch 1 like the
                    project's loop); "generate": all prompts in one call (regeneration)
+  n                "generate": continuations sampled per prompt (prompt synthesis; default 1);
+                   with n > 1 each result also holds "samples", every continuation's token ids
+                   (vLLM seeds the k-th with seed + k)
   dtype, max_model_len, enforce_eager, kv_cache_gb, extra_engine_args
 Result (JSON): vllm version, engine start-up seconds, and per prompt the generated token ids
 and, with a drafter, the spec-decode counters of that prompt alone (the engine's cumulative
@@ -96,13 +99,17 @@ def main(argv: list[str]) -> int:
         stop_token_ids=[int(s) for s in req.get("stop_token_ids", [])],
         seed=int(req.get("seed", 0)) if float(req.get("temperature", 0.0)) > 0 else None,
         ignore_eos=bool(req.get("ignore_eos", False)),
+        n=int(req.get("n", 1)),
     )
     prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in req["prompts"]]
     results: list[dict] = []
     t1 = time.perf_counter()
     if req.get("mode", "decode") == "generate":
         for o in llm.generate(prompts, sp, use_tqdm=False):
-            results.append({"tokens": list(o.outputs[0].token_ids)})
+            res: dict = {"tokens": list(o.outputs[0].token_ids)}
+            if sp.n > 1:
+                res["samples"] = [list(c.token_ids) for c in o.outputs]
+            results.append(res)
     else:
         spec = bool(req.get("drafter"))
         for p in prompts:
