@@ -239,6 +239,19 @@ PINNED_KEYS = {
         "parity_tolerance",
         "vllm_python",
     ],
+    "synth": [
+        "prompts",
+        "seed",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "min_chars",
+        "near_duplicate",
+        "hints",
+        "system_prompt",
+        "exclude",
+        "max_rounds",
+    ],
 }
 
 

@@ -1,0 +1,257 @@
+"""`make quality`: a drafter from an empty cache within 60 minutes on 2 cores (issue 32).
+
+Phases (preset smollm2-quality; the time plan is in the preset's header):
+  1. target        load (the embedded SmolLM2 converted once to a safetensors cache)
+  2. embedded      MT-Bench + HumanEval prompts answered greedily by the target (cached)
+  3. synthesis     synth.prompts user turns written by the target (data/synthesize.py; cached)
+  4. answers       the synthesised prompts answered by the target: greedy, or sampled at
+                   --temperature / --top-p (vLLM where installed; cached; provenance per record)
+  5. training      optim.time_budget_s, periodic evaluation on the validation prompts every
+                   eval.every_steps (eval/tau and eval/tau_sim against wall minutes: the curve)
+  6. evaluation    the export on the reported held-out prompts of each embedded source (never
+                   trained on; synthesised prompts are never near them): tau of the project's
+                   loop with the published reference loop beside it, plain greedy (speedup),
+                   adaptive verify on the code prompts (speedup), tau_sim per source
+  7. report        run report (plots) and quality_summary.json: phases, tau per source, curve
+
+Variants (the data sources of the issue's table; one machine, one table):
+  embedded       the embedded prompts, greedy answers (the demo's data)
+  synth-greedy   + synthesised prompts, greedy answers
+  synth-sampled  + synthesised prompts, answers sampled at T=0.8, top-p 0.95
+  raw-kd         + a conversation file the target did not write (--raw FILE), every label the
+                 target's own distribution at that position (drafter.kd_weight=1: one prefill)
+
+Run: python bench/quality_run.py [--variant synth-greedy] [--set KEY=VALUE ...] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.config_io import load_config, set_value
+from dflash_trainer.data.chat import Rendering
+from dflash_trainer.data.generate import ensure_embedded_responses, generate_with, print_summary
+from dflash_trainer.data.prepare import REPORT, prepare_data
+from dflash_trainer.data.synthesize import as_prompts, synth_provenance, synthesize_prompts
+from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
+from dflash_trainer.eval.metrics import summarize
+from dflash_trainer.eval.reference import reference_tau
+from dflash_trainer.eval.specdecode import evaluate
+from dflash_trainer.eval.tau_sim import TauSim, mean_tau
+from dflash_trainer.models.embedded import cache_root
+from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.precision import cpu_kind
+from dflash_trainer.models.target import TargetModel
+from dflash_trainer.observe.report import write_report
+from dflash_trainer.run import rundir, train
+from dflash_trainer.run.evaluation import heldout_examples
+
+log = logging.getLogger("quality")
+VARIANTS = ("embedded", "synth-greedy", "synth-sampled", "raw-kd")
+EVAL_SOURCES = ("mt-bench", "humaneval")  # where the goals are stated (chat, code)
+CODE = "humaneval"
+
+
+def say(msg: str) -> None:
+    print(f"[quality] {msg}", flush=True)
+
+
+class Phases:
+    """Wall seconds per phase, in order."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def end(self, name: str) -> float:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._t, 1)
+        self._t = now
+        return self.seconds[name]
+
+
+def synth_sources(cfg, target, args, phases: Phases) -> list[str]:
+    """Phases 3-4: synthesised prompts and their answers, cached by every setting that made
+    them; the answers file as a training source."""
+    engine = args.engine
+    temperature = 0.8 if args.variant == "synth-sampled" else 0.0
+    key = {
+        **synth_provenance(cfg, engine, cfg.target.dtype),
+        "prompts": cfg.synth.prompts,
+        "hints": list(cfg.synth.hints),
+        "answer_tokens": args.answer_tokens,
+        "temperature": temperature,
+        "top_p": args.top_p if temperature > 0 else 1.0,
+        "answer_seed": cfg.pipeline.seed,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = cache_root(cfg.target.cache_dir) / "synth"
+    prompts_file, answers = root / f"{digest}.prompts.jsonl", root / f"{digest}.answers.jsonl"
+    stats = synthesize_prompts(cfg, target, prompts_file, engine)
+    say(f"    {stats['kept']} prompts in {phases.end('synthesis'):.0f} s: {stats}")
+    res = generate_with(
+        engine,
+        cfg,
+        target,
+        as_prompts(prompts_file),
+        answers,
+        max_new_tokens=args.answer_tokens,
+        batch_size=64,
+        temperature=temperature,
+        top_p=key["top_p"],
+        rendering=Rendering.from_config(cfg),
+        seed=cfg.pipeline.seed,
+        progress=cfg.metrics.console,
+    )
+    print_summary(res)
+    say(f"    answered in {phases.end('answers'):.0f} s (T={temperature})")
+    return [str(answers)]
+
+
+def heldout_checks(cfg, target, export_dir, report) -> dict:
+    """Phase 6, per embedded source: tau (ours, the reference loop), speedup over plain greedy
+    with full verify and, on code, adaptive verify; tau_sim on every reported prompt."""
+    dtype = eval_dtype(cfg.eval.dtype, target.device, target.dtype)
+    tgt = target_in(target, dtype)
+    drafter = drafter_in(load_drafter(export_dir, cfg.pipeline.drafter_device), dtype)
+    n, block = cfg.eval.max_new_tokens, cfg.eval.block_size or cfg.drafter.block_size
+    how = dict(baseline=False, progress=cfg.metrics.console, packed=cfg.target.packed_linear)
+    out: dict = {}
+    for src in EVAL_SOURCES:
+        prompts = [e.prompt for e in report if e.source == src]
+        if not prompts:
+            continue
+        spec = evaluate(tgt, drafter, prompts, n, block, **how).spec_results
+        ar = evaluate(tgt, None, prompts, n, 1, **how).spec_results
+        s = summarize(spec, ar, block)
+        ref = reference_tau(export_dir, tgt.model, prompts, n, block, tgt.eos_token_ids)
+        row = {"prompts": len(prompts), "tau": s.tau, "tau_reference_loop": ref["tau"]}
+        row.update(speedup=s.speedup, lossless=s.lossless_line())
+        if src == CODE:
+            ad = evaluate(tgt, drafter, prompts, n, block, verify="adaptive", **how)
+            row["speedup_adaptive"] = summarize(ad.spec_results, ar, block).speedup
+        out[src] = row
+        say(f"    {src}: {json.dumps(row)}")
+    sim = TauSim(tgt, [(e.id, e.ids, len(e.prompt)) for e in report]).run(drafter, n, block)
+    out["tau_sim"] = {"all": sim.tau}
+    for src in sorted({e.source for e in report}):
+        lens = [a for e, a in zip(report, sim.acceptance_lengths) if e.source == src]
+        out["tau_sim"][src] = mean_tau(lens)
+    return out
+
+
+def tau_curve(run_dir: Path) -> list[dict]:
+    """The periodic evaluations of the run: minutes since its first metrics record, step,
+    eval/tau (overall and per source) and eval/tau_sim on the validation prompts."""
+    path, rows, t0 = run_dir / "metrics.jsonl", [], None
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        t0 = rec.get("wall", t0) if t0 is None else t0
+        if "eval/tau" in rec and rec.get("wall") is not None and t0 is not None:
+            rows.append(
+                {
+                    "minutes": round((rec["wall"] - t0) / 60, 2),
+                    "step": rec.get("step"),
+                    "tau": rec["eval/tau"],
+                    "tau_sim": rec.get("eval/tau_sim"),
+                    **{k[len("eval/") :]: v for k, v in rec.items() if k.startswith("eval/tau/")},
+                }
+            )
+    return rows
+
+
+def build_config(args):
+    cfg = load_config(preset=args.preset)
+    if args.variant == "raw-kd":
+        if not args.raw:
+            raise SystemExit("raw-kd trains on a file the target did not write: pass --raw FILE")
+        set_value(cfg, "drafter.kd_weight", "1")
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        set_value(cfg, k, v)
+    if args.run_dir:
+        cfg.run_dir = args.run_dir
+    cfg.eval.at_end = False  # phase 6 evaluates the export itself, per source
+    return cfg
+
+
+def run(args) -> dict:
+    cfg, t_all, phases = build_config(args), time.monotonic(), Phases()
+    run_dir = Path(cfg.run_dir)
+    rundir.prepare(run_dir, "overwrite")
+    torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
+    say(f"variant {args.variant}; CPU {cpu_kind()}, {torch.get_num_threads()} threads")
+    target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
+    say(f"1/7 target loaded in {phases.end('target'):.0f} s ({target.dtype})")
+    ensure_embedded_responses(cfg, target=target)
+    say(f"2/7 embedded answers in {phases.end('embedded'):.0f} s")
+    sources = list(cfg.data.sources)
+    if args.variant.startswith("synth"):
+        sources += synth_sources(cfg, target, args, phases)
+    if args.variant == "raw-kd":
+        sources.append(args.raw)
+    cfg.data.sources = sources
+    train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
+    phases.end("data")
+    say(f"5/7 training on {len(train_set)} conversations ({int(train_set.lengths.sum())} tokens)")
+    result = train(cfg, target=target, train_set=train_set, heldout=heldout)
+    say(f"    {result.steps} steps in {phases.end('training'):.0f} s ({result.reason})")
+    report = [
+        e for e in heldout_examples(heldout, cfg) if e.role == REPORT and e.source in EVAL_SOURCES
+    ]
+    checks = heldout_checks(cfg, target, result.export_dir, report)
+    say(f"6/7 evaluated in {phases.end('evaluation'):.0f} s")
+    try:
+        write_report(run_dir)
+    except Exception as e:  # the plots are a convenience, never fatal
+        log.warning("report failed: %s", e)
+    phases.end("report")
+    summary = {
+        "variant": args.variant,
+        "cpu": cpu_kind(),
+        "phases_s": phases.seconds,
+        "total_min": round((time.monotonic() - t_all) / 60, 1),
+        "steps": result.steps,
+        "train_conversations": len(train_set),
+        "train_tokens": int(train_set.lengths.sum()),
+        "heldout": checks,
+        "curve": tau_curve(run_dir),
+    }
+    (run_dir / "quality_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--variant", default="synth-greedy", choices=VARIANTS)
+    ap.add_argument("--preset", default="smollm2-quality")
+    ap.add_argument("--run-dir", default="", help="default: the preset's run_dir")
+    ap.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"])
+    ap.add_argument("--answer-tokens", type=int, default=192, help="tokens per answer")
+    ap.add_argument("--top-p", type=float, default=0.95, help="synth-sampled answers' top-p")
+    ap.add_argument("--raw", default="", help="raw-kd: conversations the target did not write")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--json", default="", help="also write the summary here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    summary = run(args)
+    text = json.dumps(summary, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""bench/quality_run.py (`make quality`): the whole plumbing on a tiny model with tiny budgets:
+embedded answers, synthesised prompts and their answers, training with periodic evaluation,
+the per-source held-out evaluation (ours, reference loop, adaptive verify on code), summary."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from test_generate import Prompt, char_tokenizer, tiny_model
+
+HAS_DFLASH = importlib.util.find_spec("dflash") is not None  # the published reference loop
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUALITY = Path(__file__).resolve().parents[1] / "bench" / "quality_run.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("quality_run", QUALITY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def embedded_stand_in():
+    """Six MT-Bench-like and six HumanEval-like prompts: both sources get held-out prompts."""
+    chat = [f"Tell me about topic {i} in a few words." for i in range(6)]
+    code = [f"Write a Python function number {i} that adds two numbers." for i in range(6)]
+    return [
+        Prompt(f"mtbench-{i}", [{"role": "user", "content": t}]) for i, t in enumerate(chat)
+    ] + [Prompt(f"humaneval-{i}", [{"role": "user", "content": t}]) for i, t in enumerate(code)]
+
+
+@pytest.mark.skipif(not HAS_DFLASH, reason="the published dflash package is not installed")
+@pytest.mark.parametrize("variant", ["synth-sampled"])
+def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
+    from dflash_trainer.data import embedded
+
+    monkeypatch.setattr(embedded, "embedded_prompts", embedded_stand_in)
+    monkeypatch.setenv("DFLASH_TRAINER_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "tiny-model"
+    tiny_model().save_pretrained(d)
+    char_tokenizer().save_pretrained(d)
+    sets = {
+        "target.model": str(d),
+        "target.dtype": "float32",
+        "target.num_taps": "1",
+        "target.cache_dir": str(tmp_path / "cache"),
+        "drafter.init": "random",
+        "drafter.num_layers": "1",
+        "drafter.block_size": "4",
+        "drafter.num_anchors": "4",
+        "drafter.loss_slots": "0",
+        "optim.time_budget_s": "0",
+        "optim.max_steps": "6",
+        "optim.epochs": "3",
+        "eval.every_steps": "3",
+        "eval.num_prompts": "4",
+        "eval.max_new_tokens": "6",
+        "eval.validation_prompts": "2",
+        "data.eval_fraction": "0.4",
+        "synth.prompts": "4",
+        "synth.min_chars": "1",
+        "synth.max_tokens": "48",
+        "synth.exclude": "[]",
+        "pipeline.feature_cache_gb": "0",
+        "metrics.wandb": "off",
+        "metrics.tensorboard": "false",
+        "metrics.console": "false",
+    }
+    out = tmp_path / "summary.json"
+    argv = ["--variant", variant, "--engine", "hf", "--answer-tokens", "8"]
+    argv += ["--run-dir", str(tmp_path / "run"), "--json", str(out)]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    assert load_script().main(argv) == 0
+    s = json.loads(out.read_text())
+    assert s["variant"] == variant and s["steps"] == 6
+    assert list(s["phases_s"]) == [
+        "target", "embedded", "synthesis", "answers", "data", "training", "evaluation", "report"
+    ]  # fmt: skip
+    for src in ("mt-bench", "humaneval"):
+        row = s["heldout"][src]
+        assert row["prompts"] >= 1 and row["tau"] >= 1.0
+        assert row["tau_reference_loop"] == pytest.approx(row["tau"])  # fp32: the same tokens
+    assert "speedup_adaptive" in s["heldout"]["humaneval"]
+    assert s["heldout"]["tau_sim"]["all"] >= 1.0
+    assert [c["step"] for c in s["curve"]] == [3, 6] and all(c["tau"] >= 1.0 for c in s["curve"])
+    answers = list((tmp_path / "cache").rglob("*.answers.jsonl"))
+    (ans,) = answers
+    recs = [json.loads(x) for x in ans.read_text().splitlines()]
+    assert len(recs) == 4 and all(r["provenance"]["temperature"] == 0.8 for r in recs)
+    assert all(r["provenance"]["seed"] == 0 and r["provenance"]["engine"] == "hf" for r in recs)
