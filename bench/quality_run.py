@@ -78,23 +78,27 @@ class Phases:
         return self.seconds[name]
 
 
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def synth_sources(cfg, target, args, phases: Phases) -> list[str]:
     """Phases 3-4: synthesised prompts and their answers, cached by every setting that made
     them; the answers file as a training source."""
     engine = args.engine
     temperature = 0.8 if args.variant == "synth-sampled" else 0.0
-    key = {
+    top_p = args.top_p if temperature > 0 else 1.0
+    made = {
         **synth_provenance(cfg, engine, cfg.target.dtype),
         "prompts": cfg.synth.prompts,
         "hints": list(cfg.synth.hints),
-        "answer_tokens": args.answer_tokens,
-        "temperature": temperature,
-        "top_p": args.top_p if temperature > 0 else 1.0,
-        "answer_seed": cfg.pipeline.seed,
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    answered = {**made, "answer_tokens": args.answer_tokens, "temperature": temperature}
+    answered.update(top_p=top_p, answer_seed=cfg.pipeline.seed)
     root = cache_root(cfg.target.cache_dir) / "synth"
-    prompts_file, answers = root / f"{digest}.prompts.jsonl", root / f"{digest}.answers.jsonl"
+    # one prompts file for every answer setting: greedy and sampled answer the same prompts
+    prompts_file = root / f"{_digest(made)}.prompts.jsonl"
+    answers = root / f"{_digest(answered)}.answers.jsonl"
     stats = synthesize_prompts(cfg, target, prompts_file, engine)
     say(f"    {stats['kept']} prompts in {phases.end('synthesis'):.0f} s: {stats}")
     res = generate_with(
@@ -106,7 +110,7 @@ def synth_sources(cfg, target, args, phases: Phases) -> list[str]:
         max_new_tokens=args.answer_tokens,
         batch_size=64,
         temperature=temperature,
-        top_p=key["top_p"],
+        top_p=top_p,
         rendering=Rendering.from_config(cfg),
         seed=cfg.pipeline.seed,
         progress=cfg.metrics.console,
