@@ -21,7 +21,8 @@ from dflash_trainer.data.prepare import (
 )
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval import specdecode as sd
+from dflash_trainer.eval import evaluation as ev
+from dflash_trainer.eval import prompts as pr
 from dflash_trainer.eval.metrics import EvalSummary
 from dflash_trainer.eval.specdecode import GenResult
 from dflash_trainer.run import train
@@ -247,7 +248,7 @@ def test_bf16_evaluate_reports_gaps_of_its_divergences():
     prompts = [torch.randint(1, 100, (1, 7), generator=g) for _ in range(4)]
     t = side(model)
     t.eos_token_ids = []
-    s = sd.evaluate(t, drafter, prompts, 24, 8, warmup=False)
+    s = ev.evaluate(t, drafter, prompts, 24, 8, warmup=False)
     assert s.decode_dtype == "bfloat16"
     assert len(s.tie_gaps) == s.num_divergent
     assert "bf16 near-ties" in s.lossless_line() or s.lossless
@@ -256,7 +257,7 @@ def test_bf16_evaluate_reports_gaps_of_its_divergences():
 def test_heldout_without_a_file_is_an_error(tmp_path):
     cfg = load_config(None, None, [f"--run_dir={tmp_path / 'none'}"])
     with pytest.raises(UserError, match="no held-out prompts at .*Training writes them"):
-        sd.load_prompt_set("heldout", cfg)
+        pr.load_prompt_set("heldout", cfg)
 
 
 def test_named_dataset_overlapping_training_is_reported_apart(tmp_path, monkeypatch, caplog):
@@ -276,9 +277,9 @@ def test_named_dataset_overlapping_training_is_reported_apart(tmp_path, monkeypa
         seen[len(seen)] = [c for c, _ in convs]
         return len(convs)
 
-    monkeypatch.setattr(sd, "run_conversations", fake_run)
+    monkeypatch.setattr(ev, "run_conversations", fake_run)
     with caplog.at_level(logging.WARNING):
-        res = sd.evaluate_datasets(cfg, None, None, 4)
+        res = ev.evaluate_datasets(cfg, None, None, 4)
     assert res == {f"{f}:trained": 2, f"{f}:unseen": 3}
     assert seen[0] == ["q0", "q3"]
     assert "2 of 5 prompts" in caplog.text
@@ -334,7 +335,7 @@ def test_run_conversations_decodes_in_the_given_dtype():
     target = TargetModel.from_hf(model, FakeTokenizer(), [0, 2])
     drafter = _real_drafter(model, block_size=4).to(torch.bfloat16)
     convs = [("a", [{"role": "user", "content": "hi"}])]
-    s = sd.run_conversations(
+    s = ev.run_conversations(
         target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), dtype=torch.float32
     )
     assert s.decode_dtype == "float32" and s.lossless is True

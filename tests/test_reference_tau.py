@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.reference import reference_tau
-from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.models.export import export_drafter
 from test_specdecode import _trained_drafter, random_prompt, side, tiny_target
 

@@ -28,9 +28,9 @@ import torch
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, prepare_data
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import format_table, summarize
 from dflash_trainer.eval.reference import reference_tau
-from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.precision import cpu_kind

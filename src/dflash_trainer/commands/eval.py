@@ -13,9 +13,9 @@ from dflash_trainer.config import Config
 from dflash_trainer.config_io import load_config
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
+from dflash_trainer.eval.evaluation import evaluate_datasets, load_eval_pair
 from dflash_trainer.eval.metrics import format_table
 from dflash_trainer.eval.served import compare_served, find_vllm_python
-from dflash_trainer.eval.specdecode import evaluate_datasets, load_eval_pair
 from dflash_trainer.models.export import read_training
 
 log = logging.getLogger(__name__)

@@ -241,7 +241,7 @@ def logit_gap(target: Any, prompts: Sequence[Sequence[int]]) -> Callable[[int, A
     """parity_problems' `gap`: specdecode.divergence_gap under `target` (a TargetModel)."""
     import torch
 
-    from dflash_trainer.eval.specdecode import divergence_gap
+    from dflash_trainer.eval.evaluation import divergence_gap
 
     device = next(target.model.parameters()).device
 
@@ -289,7 +289,7 @@ def parity_gate(
     if engine is None:
         log.warning("vLLM not available, served evaluation skipped: %s", why)
         return None
-    from dflash_trainer.eval.specdecode import evaluate
+    from dflash_trainer.eval.evaluation import evaluate
 
     block = cfg.eval.block_size or drafter.config.block_size
     n = cfg.eval.max_new_tokens

@@ -27,8 +27,8 @@ from pathlib import Path
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, VALIDATION, split_roles, stratified_pick
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import summarize
-from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.models.export import export_drafter, export_dtype
 
