@@ -150,6 +150,7 @@ def evaluate(
             bar.update(1)
         s = summarize(spec, ar or None, block_size)
         s.decode_dtype = dtype_label(model_dtype(target.model))
+        s.prompts = [_as_prompt(p, device)[0].tolist() for p in prompts]
         for p, a, b in zip(prompts, spec, ar):
             if a.tokens != b.tokens:
                 s.tie_gaps.append(divergence_gap(target.model, _as_prompt(p, device), a, b))
