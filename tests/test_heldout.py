@@ -341,3 +341,39 @@ def test_run_conversations_decodes_in_the_given_dtype():
     assert s.decode_dtype == "float32" and s.lossless is True
     assert next(drafter.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_end_of_run_evaluation_reaches_metrics_jsonl_as_the_demo_reports_it(tmp_path):
+    """The one end-of-run evaluation (what the demo configures: one source decoded, the plain
+    baseline, tau_sim on every reported prompt) writes eval/tau, eval/tau_sim and per-source
+    values into metrics.jsonl, equal to what demo_summary.json's `heldout` holds."""
+    from dflash_trainer.commands.demo import configure_final_eval, heldout_checks
+    from dflash_trainer.run.evaluation import heldout_examples
+
+    ds = tiny_dataset(n=16)
+    train_set, held = ds.subset(range(12)), ds.subset(range(12, 16))
+    held.sources = ["mt-bench", "humaneval"] * 2
+    cfg = tiny_config(tmp_path, **{"eval.max_new_tokens": 6, "optim.epochs": 1})
+    report = [e for e in heldout_examples(held, cfg) if e.role == "report"]
+    configure_final_eval(cfg, report)
+    cfg.eval.compare = []  # the reference loop: tests/test_reference_tau.py
+    res = train(cfg, target=tiny_target(), train_set=train_set, heldout=held)
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    (ev,) = [r for r in rows if r.get("eval/set") == "heldout"]
+    assert {
+        "eval/tau",
+        "eval/tau_sim",
+        "eval/tau/mt-bench",
+        "eval/speedup",
+        "eval/lossless",
+    } <= set(ev)
+    assert "eval/tau/humaneval" not in ev  # decoded: mt-bench only; replayed: every source
+    assert {f"eval/tau_sim/{s}" for s in ("mt-bench", "humaneval")} <= set(ev)
+    checks = heldout_checks(res.eval, cfg)
+    assert checks["tau"] == ev["eval/tau"] == ev["eval/tau/mt-bench"]
+    assert checks["tau_sim"]["all"] == ev["eval/tau_sim"]
+    assert checks["tau_sim"]["humaneval"] == ev["eval/tau_sim/humaneval"]
+    assert (
+        checks["speedup"] == ev["eval/speedup"] and checks["lossless"] == ev["eval/lossless_line"]
+    )
+    assert checks["prompts"] == ev["eval/prompts"] and checks["tau_sim_prompts"] == len(report)

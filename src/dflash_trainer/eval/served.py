@@ -196,7 +196,7 @@ SERVED_NEAR_TIE_LOGIT_GAP = 0.05
 
 def parity_problems(
     ours: EvalSummary,
-    served: ServedEval,
+    served: ServedEval | EvalSummary,
     drafter_cfg: Any,
     target: str,
     tolerance: float = PARITY_TOLERANCE,
@@ -221,7 +221,7 @@ def parity_problems(
             bad += g > SERVED_NEAR_TIE_LOGIT_GAP
         return bad, worst
 
-    s = served.summary
+    s = served.summary if isinstance(served, ServedEval) else served
     out = []
     m = len(ours.spec_results)
     if s.ar_results:
