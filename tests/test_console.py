@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_trainer.data.chat import Rendering, build_dataset
-from dflash_trainer.eval import specdecode as sd
+from dflash_trainer.eval import evaluation as ev
 from dflash_trainer.eval.reference import reference_tau
 from dflash_trainer.eval.tau_sim import TauSim
 from dflash_trainer.models.export import export_drafter
@@ -180,7 +180,7 @@ def test_evaluation_bars_leave_the_results_unchanged(monkeypatch):
     ]
 
     def run_all():
-        s = sd.evaluate(t, drafter, prompts, 10, 4, progress=progress)
+        s = ev.evaluate(t, drafter, prompts, 10, 4, progress=progress)
         sim = TauSim(t, seqs).run(drafter, 10, 4, progress=progress)
         return _decoded(s), s.tau, sim.acceptance_lengths, sim.keys
 
@@ -205,12 +205,12 @@ def test_conversation_bar_counts_conversations_and_changes_nothing(monkeypatch):
         ("b", [{"role": "user", "content": "hello"}]),
     ]
     err, _, _ = _console(monkeypatch)
-    shown = sd.run_conversations(target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), desc="eval x")
+    shown = ev.run_conversations(target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), desc="eval x")
     out = err.getvalue()
     # one bar over conversations (2), none per turn (3 turns)
     assert _drawn(out, "eval x", "conversation") and "2/2" in out and "/1 [" not in out, out
     err, _, _ = _console(monkeypatch)
-    quiet = sd.run_conversations(
+    quiet = ev.run_conversations(
         target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), progress=False
     )
     assert not _any_bar(err.getvalue()) and _decoded(quiet) == _decoded(shown)

@@ -21,7 +21,8 @@ from dflash_trainer.data.prepare import (
 )
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval import specdecode as sd
+from dflash_trainer.eval import evaluation as ev
+from dflash_trainer.eval import prompts as pr
 from dflash_trainer.eval.metrics import EvalSummary
 from dflash_trainer.eval.specdecode import GenResult
 from dflash_trainer.run import train
@@ -247,7 +248,7 @@ def test_bf16_evaluate_reports_gaps_of_its_divergences():
     prompts = [torch.randint(1, 100, (1, 7), generator=g) for _ in range(4)]
     t = side(model)
     t.eos_token_ids = []
-    s = sd.evaluate(t, drafter, prompts, 24, 8, warmup=False)
+    s = ev.evaluate(t, drafter, prompts, 24, 8, warmup=False)
     assert s.decode_dtype == "bfloat16"
     assert len(s.tie_gaps) == s.num_divergent
     assert "bf16 near-ties" in s.lossless_line() or s.lossless
@@ -256,7 +257,7 @@ def test_bf16_evaluate_reports_gaps_of_its_divergences():
 def test_heldout_without_a_file_is_an_error(tmp_path):
     cfg = load_config(None, None, [f"--run_dir={tmp_path / 'none'}"])
     with pytest.raises(UserError, match="no held-out prompts at .*Training writes them"):
-        sd.load_prompt_set("heldout", cfg)
+        pr.load_prompt_set("heldout", cfg)
 
 
 def test_named_dataset_overlapping_training_is_reported_apart(tmp_path, monkeypatch, caplog):
@@ -276,9 +277,9 @@ def test_named_dataset_overlapping_training_is_reported_apart(tmp_path, monkeypa
         seen[len(seen)] = [c for c, _ in convs]
         return len(convs)
 
-    monkeypatch.setattr(sd, "run_conversations", fake_run)
+    monkeypatch.setattr(ev, "run_conversations", fake_run)
     with caplog.at_level(logging.WARNING):
-        res = sd.evaluate_datasets(cfg, None, None, 4)
+        res = ev.evaluate_datasets(cfg, None, None, 4)
     assert res == {f"{f}:trained": 2, f"{f}:unseen": 3}
     assert seen[0] == ["q0", "q3"]
     assert "2 of 5 prompts" in caplog.text
@@ -334,9 +335,45 @@ def test_run_conversations_decodes_in_the_given_dtype():
     target = TargetModel.from_hf(model, FakeTokenizer(), [0, 2])
     drafter = _real_drafter(model, block_size=4).to(torch.bfloat16)
     convs = [("a", [{"role": "user", "content": "hi"}])]
-    s = sd.run_conversations(
+    s = ev.run_conversations(
         target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), dtype=torch.float32
     )
     assert s.decode_dtype == "float32" and s.lossless is True
     assert next(drafter.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_end_of_run_evaluation_reaches_metrics_jsonl_as_the_demo_reports_it(tmp_path):
+    """The one end-of-run evaluation (what the demo configures: one source decoded, the plain
+    baseline, tau_sim on every reported prompt) writes eval/tau, eval/tau_sim and per-source
+    values into metrics.jsonl, equal to what demo_summary.json's `heldout` holds."""
+    from dflash_trainer.commands.demo import configure_final_eval, heldout_checks
+    from dflash_trainer.run.evaluation import heldout_examples
+
+    ds = tiny_dataset(n=16)
+    train_set, held = ds.subset(range(12)), ds.subset(range(12, 16))
+    held.sources = ["mt-bench", "humaneval"] * 2
+    cfg = tiny_config(tmp_path, **{"eval.max_new_tokens": 6, "optim.epochs": 1})
+    report = [e for e in heldout_examples(held, cfg) if e.role == "report"]
+    configure_final_eval(cfg, report)
+    cfg.eval.compare = []  # the reference loop: tests/test_reference_tau.py
+    res = train(cfg, target=tiny_target(), train_set=train_set, heldout=held)
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    (ev,) = [r for r in rows if r.get("eval/set") == "heldout"]
+    assert {
+        "eval/tau",
+        "eval/tau_sim",
+        "eval/tau/mt-bench",
+        "eval/speedup",
+        "eval/lossless",
+    } <= set(ev)
+    assert "eval/tau/humaneval" not in ev  # decoded: mt-bench only; replayed: every source
+    assert {f"eval/tau_sim/{s}" for s in ("mt-bench", "humaneval")} <= set(ev)
+    checks = heldout_checks(res.eval, cfg)
+    assert checks["tau"] == ev["eval/tau"] == ev["eval/tau/mt-bench"]
+    assert checks["tau_sim"]["all"] == ev["eval/tau_sim"]
+    assert checks["tau_sim"]["humaneval"] == ev["eval/tau_sim/humaneval"]
+    assert (
+        checks["speedup"] == ev["eval/speedup"] and checks["lossless"] == ev["eval/lossless_line"]
+    )
+    assert checks["prompts"] == ev["eval/prompts"] and checks["tau_sim_prompts"] == len(report)

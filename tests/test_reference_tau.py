@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.reference import reference_tau
-from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.models.export import export_drafter
 from test_specdecode import _trained_drafter, random_prompt, side, tiny_target
 
@@ -37,10 +37,12 @@ def test_demo_decodes_mt_bench_and_simulates_every_reported_prompt(tmp_path, tra
     prompts (tau equal across the loops, lossless), tau_sim per source on every reported
     prompt, equal to the measured tau where the held-out answers are the target's greedy
     output."""
-    from dflash_trainer.commands.demo import _heldout_checks
+    import threading
+
+    from dflash_trainer.commands.demo import configure_final_eval, heldout_checks
     from dflash_trainer.data.prepare import REPORT
     from dflash_trainer.eval.specdecode import ar_generate
-    from dflash_trainer.run.evaluation import HeldoutPrompt
+    from dflash_trainer.run.evaluation import HeldoutPrompt, PeriodicEval
     from tiny import tiny_config
 
     model, prompts, drafter, out_dir = trained
@@ -51,10 +53,14 @@ def test_demo_decodes_mt_bench_and_simulates_every_reported_prompt(tmp_path, tra
         report.append(
             HeldoutPrompt(f"{src}-{i}", src, REPORT, p[0].tolist(), p[0].tolist() + answer)
         )
-    cfg = tiny_config(tmp_path, **{"eval.max_new_tokens": 20})
+    cfg = tiny_config(tmp_path, **{"eval.max_new_tokens": 20, "drafter.block_size": 8})
     t = side(model)
     t.eos_token_ids = []
-    out = _heldout_checks(cfg, t, out_dir, report, torch.float32, 8)
+    configure_final_eval(cfg, report)
+    ev = PeriodicEval(cfg, t, drafter, None, tmp_path, threading.Lock())
+    ev.report, ev.dtype = report, torch.float32  # the held-out side as the demo's run has it
+    rec = ev.final(0, out_dir)
+    out = heldout_checks(rec, cfg)
     assert out["source"] == "mt-bench" and out["prompts"] == 2 and out["tau_sim_prompts"] == 4
     ours = evaluate(t, drafter, prompts[:2], 20, 8, stop_ids=(), baseline=False, warmup=False)
     assert out["tau"] == pytest.approx(ours.tau, rel=1e-6)

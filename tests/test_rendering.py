@@ -19,6 +19,7 @@ from dflash_trainer.data.chat import Rendering, build_dataset
 from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.data.sources import Conversation, load_sources
 from dflash_trainer.errors import DataError, UserError
+from dflash_trainer.eval import evaluation as ev
 from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.run import train
@@ -95,8 +96,8 @@ def three_prompts(cfg, target, monkeypatch, tmp_path) -> tuple[list, list, list]
         r = sd.GenResult([5], [1], [0], [4])
         return SimpleNamespace(spec_results=[r], ar_results=[r], tie_gaps=[])
 
-    monkeypatch.setattr(sd, "evaluate", evaluate)
-    sd.evaluate_datasets(cfg, target, None, 4)
+    monkeypatch.setattr(ev, "evaluate", evaluate)
+    ev.evaluate_datasets(cfg, target, None, 4)
     generated, evaluated = seen
     return trained, list(generated), list(evaluated)
 

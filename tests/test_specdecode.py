@@ -12,14 +12,15 @@ import torch
 from torch import nn
 
 from dflash_trainer.data.chat import Rendering
+from dflash_trainer.eval import prompts as pr
 from dflash_trainer.eval import specdecode as sd
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import position_acceptance, summarize
 from dflash_trainer.eval.specdecode import (
     GenResult,
     TargetSide,
     ar_generate,
     choose_tokens,
-    evaluate,
     spec_generate,
 )
 
@@ -635,18 +636,18 @@ def test_load_prompt_file_errors(tmp_path):
         '\n{"id": "c", "messages": [{"role": "robot", "content": "hi"}]}\n'
     )
     with pytest.raises(UserError, match=r"p\.jsonl:4: expected"):
-        sd.load_prompt_file(f)
+        pr.load_prompt_file(f)
     f.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{bad\n')
     with pytest.raises(UserError, match=r"p\.jsonl:2: invalid JSON"):
-        sd.load_prompt_file(f)
+        pr.load_prompt_file(f)
     f.write_text(
         '{"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "x"}]}\n'
     )
-    assert sd.load_prompt_file(f) == [
+    assert pr.load_prompt_file(f) == [
         ("p.jsonl:1", [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "x"}])
     ]
     with pytest.raises(UserError, match="does not exist"):
-        sd.load_prompt_file(tmp_path / "missing.jsonl")
+        pr.load_prompt_file(tmp_path / "missing.jsonl")
 
 
 def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):

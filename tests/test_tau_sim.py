@@ -8,7 +8,8 @@ import functools
 import pytest
 import torch
 
-from dflash_trainer.eval.specdecode import TargetSide, evaluate
+from dflash_trainer.eval.evaluation import evaluate
+from dflash_trainer.eval.specdecode import TargetSide
 from dflash_trainer.eval.tau_sim import TauSim, simulate_response
 from test_specdecode import _trained_drafter, ar_generate, random_prompt, side, tiny_target
 

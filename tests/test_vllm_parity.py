@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.reference import reference_tau
 from dflash_trainer.eval.served import (
     PARITY_TOLERANCE,
@@ -30,7 +31,6 @@ from dflash_trainer.eval.served import (
     served_evaluate,
     vllm_unavailable,
 )
-from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.models.export import load_drafter
 from memorised import BLOCK, NEW_TOKENS
 

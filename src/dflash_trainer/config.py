@@ -464,6 +464,22 @@ class EvalConfig:
         "at the end of a run, decode every reported held-out prompt (not the validation ones): "
         "tau per source and overall, and eval/tau_sim beside it",
     )
+    at_end_sources: list[str] = _f(
+        [],
+        "sources whose reported held-out prompts the end-of-run evaluation decodes ([] = all); "
+        "tau_sim replays every reported prompt either way",
+    )
+    at_end_baseline: bool = _f(
+        False,
+        "the end-of-run evaluation also decodes each prompt plainly (no drafter): eval/speedup "
+        "and eval/lossless",
+    )
+    compare: list[str] = _f(
+        [],
+        "engines that also decode the evaluated prompts with the export, beside the project's "
+        "loop: reference (the published dflash_generate loop: eval/tau_reference), vllm (served: "
+        "eval/tau_vllm); at the end of training and in `eval`",
+    )
     num_prompts: int = _f(
         16,
         "validation prompts per periodic evaluation (a fixed seeded subset, stratified by source, "

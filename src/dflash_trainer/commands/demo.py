@@ -27,17 +27,12 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, prepare_data
-from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
-from dflash_trainer.eval.metrics import format_table, summarize
-from dflash_trainer.eval.reference import reference_tau
-from dflash_trainer.eval.specdecode import evaluate
-from dflash_trainer.eval.tau_sim import TauSim, mean_tau
-from dflash_trainer.models.export import load_drafter
+from dflash_trainer.eval.dtype import dtype_label
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.report import write_report
 from dflash_trainer.run import TrainResult, rundir, train
-from dflash_trainer.run.evaluation import heldout_examples
+from dflash_trainer.run.evaluation import HeldoutPrompt, heldout_examples
 from dflash_trainer.run.trainer import setup_run_logging
 
 log = logging.getLogger(__name__)
@@ -92,19 +87,16 @@ def _demo(cfg: Config, t_all: float) -> int:
         f"    {len(train_set)} training conversations, {int(train_set.lengths.sum())} "
         f"tokens; {len(heldout)} held out ({len(report)} reported, the rest validation)"
     )
-    dtype = eval_dtype(cfg.eval.dtype, target.device, target.dtype)
-    block = cfg.eval.block_size or cfg.drafter.block_size
     budget = cfg.optim.time_budget_s
     _say(
         "3/5 training (pipelined: prefetcher -> target -> drafter)"
         + (f" for {budget:.0f} s" if budget else "")
+        + ", then the held-out evaluation"
     )
-    # The demo evaluates the export itself (step 4), once per prompt and loop, instead of
-    # train()'s end-of-run evaluation, which would decode the same prompts a second time.
-    cfg.eval.at_end = False
+    configure_final_eval(cfg, report)
     result = train(cfg, target=target, train_set=train_set, heldout=heldout)
     phases.end("training")
-    _say(f"    {result.steps} steps in {result.wall_s:.0f} s ({result.reason})")
+    _say(f"    {result.steps} steps in {result.train_s:.0f} s ({result.reason})")
     if result.balance:
         _say(f"    {result.balance}")
     if result.reason == "signal":
@@ -115,63 +107,63 @@ def _demo(cfg: Config, t_all: float) -> int:
         )
         return 130
     _say(
-        f"4/5 held-out evaluation: the MT-Bench prompts decoded ({cfg.eval.max_new_tokens} "
-        "tokens each; ours, plain greedy, the reference loop), tau_sim on every reported prompt"
+        f"4/5 held-out evaluation (the run's own, in metrics.jsonl as eval/*): the "
+        f"{', '.join(cfg.eval.at_end_sources) or 'reported'} prompts decoded "
+        f"({cfg.eval.max_new_tokens} tokens each; ours, plain greedy, the reference loop), "
+        "tau_sim on every reported prompt"
     )
-    eval_target = target_in(target, dtype)
-    checks = _heldout_checks(cfg, eval_target, result.export_dir, report, dtype, block)
-    _say(f"    evaluated in {phases.end('evaluation'):.0f} s")
+    checks = heldout_checks(result.eval, cfg)
+    # train() ran the evaluation after training: its seconds move to their own phase
+    phases.seconds["evaluation"] = round(float(result.eval.get("eval/seconds", 0.0)), 1)
+    phases.seconds["training"] = round(phases.seconds["training"] - phases.seconds["evaluation"], 1)
+    _say(f"    evaluated in {phases.seconds['evaluation']:.0f} s")
     _say("5/5 report")
     _summarize(run_dir, result, checks, t_all, phases)
     return 0
 
 
-def _heldout_checks(cfg: Config, eval_target, export_dir, report, dtype, block) -> dict:
-    """The export decoded on the held-out MT-Bench prompts, where the quality goal is stated:
-    ours, plain greedy (speedup, losslessness) and the published reference loop, each prompt
-    once per loop. On every reported prompt, per source, tau_sim (eval/tau_sim.py: the same
-    loop replayed on the target's own held-out answers, no verify passes; it equals measured
-    tau where the answers are the target's greedy output in this dtype), so the other sources
+def configure_final_eval(cfg: Config, report: list[HeldoutPrompt]) -> None:
+    """The demo's end-of-run evaluation, run by train() like any run's: the held-out MT-Bench
+    prompts decoded (where the quality goal is stated; all reported prompts when there are
+    none), by ours, plain greedy (speedup, losslessness) and the published reference loop, each
+    prompt once per loop; tau_sim on every reported prompt, per source (eval/tau_sim.py: the
+    loop replayed on the target's own held-out answers, no verify passes), so the other sources
     cost no decoding time: on a 2-core CPU decoding is most of the demo after training."""
-    drafter = drafter_in(load_drafter(export_dir, cfg.pipeline.drafter_device), dtype)
-    n = cfg.eval.max_new_tokens
-    chosen = [e for e in report if e.source == "mt-bench"] or report
-    prompts = [e.prompt for e in chosen]
-    bars = cfg.metrics.console
-    how: dict[str, Any] = dict(baseline=False, progress=bars, packed=cfg.target.packed_linear)
-    spec = evaluate(eval_target, drafter, prompts, n, block, **how)
-    ar = evaluate(eval_target, None, prompts, n, 1, **how).spec_results  # None: plain greedy
-    s = summarize(spec.spec_results, ar, block)
-    stop = eval_target.eos_token_ids
-    ref = reference_tau(export_dir, eval_target.model, prompts, n, block, stop, progress=bars)
-    print(format_table({chosen[0].source: s}), flush=True)
-    # One replay of every reported prompt; acceptance_lengths follow `report`'s order.
-    tau_sim = TauSim(eval_target, [(e.id, e.ids, len(e.prompt)) for e in report])
-    sim = tau_sim.run(drafter, n, block, progress=bars)
+    cfg.eval.at_end = True
+    cfg.eval.at_end_sources = ["mt-bench"] if any(e.source == "mt-bench" for e in report) else []
+    cfg.eval.at_end_baseline = True
+    cfg.eval.compare = ["reference"]
+
+
+def heldout_checks(rec: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    """demo_summary.json's `heldout` from the end-of-run evaluation's eval/* record (the same
+    numbers metrics.jsonl, TensorBoard and W&B have), and its two printed lines."""
     sims = {
-        src: mean_tau([a for e, a in zip(report, sim.acceptance_lengths) if e.source == src])
-        for src in sorted({e.source for e in report})
+        k.removeprefix("eval/tau_sim/"): v for k, v in rec.items() if k.startswith("eval/tau_sim/")
     }
-    sims["all"] = sim.tau
+    sims["all"] = rec.get("eval/tau_sim", float("nan"))
+    decoded = [k.removeprefix("eval/tau/") for k in rec if k.startswith("eval/tau/")]
     out = {
-        "source": chosen[0].source,
-        "prompts": len(prompts),
-        "max_new_tokens": n,
-        "tau": s.tau,
-        "tau_reference_loop": ref["tau"],
-        "speedup": s.speedup,
-        "lossless": s.lossless_line(),
+        "source": ",".join(decoded),
+        "prompts": rec["eval/prompts"],
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "tau": rec["eval/tau"],
+        "tau_reference_loop": rec.get("eval/tau_reference"),
+        "speedup": rec.get("eval/speedup"),
+        "lossless": rec.get("eval/lossless_line"),
         "tau_sim": sims,
-        "tau_sim_prompts": len(report),
+        "tau_sim_prompts": rec.get("eval/tau_sim_prompts"),
     }
+    ref = out["tau_reference_loop"]
     _say(
-        f"    held-out {out['source']}: tau {s.tau:.3f} (reference loop {ref['tau']:.3f}) on "
-        f"{len(prompts)} prompts x {n} tokens; speedup {s.speedup:.2f}x; {s.lossless_line()}"
+        f"    held-out {out['source']}: tau {out['tau']:.3f} (reference loop "
+        f"{ref if ref is None else f'{ref:.3f}'}) on {out['prompts']} prompts x "
+        f"{out['max_new_tokens']} tokens; speedup {out['speedup'] or 0:.2f}x; {out['lossless']}"
     )
     _say(
-        f"    tau_sim on all {len(report)} reported prompts: {sims['all']:.3f} ("
+        f"    tau_sim on all {out['tau_sim_prompts']} reported prompts: {sims['all']:.3f} ("
         + ", ".join(f"{k} {v:.3f}" for k, v in sims.items() if k != "all")
-        + f"), {dtype_label(dtype)}"
+        + f"), {rec.get('eval/dtype')}"
     )
     return out
 

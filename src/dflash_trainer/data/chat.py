@@ -2,7 +2,7 @@
 
 `Rendering` (built from the config by `Rendering.from_config` only) decides how a record becomes
 text and ids, the same way in training tokenization, generation (data/generate.py) and evaluation
-(eval/specdecode.py), so a drafter trains on exactly the text it serves on:
+(eval/evaluation.py), so a drafter trains on exactly the text it serves on:
 - data.format=chat: the target's chat template (or data.chat_template's, which replaces it),
   with the template variables of the config (enable_thinking); assistant turns are supervised;
 - data.format=text: a base model's raw text, no template: the turns' contents joined as they

@@ -178,7 +178,7 @@ def split_dataset(dataset, label: dict[str, str], fraction: float, seed: int, ev
 
 
 def prompt_record(cid: str, messages: list[dict], source: str, data_format: str) -> dict | None:
-    """A held-out prompt as eval reads it back (eval/specdecode.py: load_prompt_file): the
+    """A held-out prompt as eval reads it back (eval/prompts.py: load_prompt_file): the
     conversation without its assistant turns, or with data.format=text its prompt's raw text
     (None for a document: nothing to continue)."""
     if data_format == "text":

@@ -11,19 +11,21 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval.metrics import summarize
+from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.specdecode import GenResult
 from dflash_trainer.observe.progress import showing_progress
 
 
 @contextlib.contextmanager
-def _cpu_clock(ref_model_module):
+def _cpu_clock(ref_model_module: Any) -> Iterator[None]:
     """The reference times with torch.cuda.synchronize(), which a CPU build cannot run."""
     if torch.cuda.is_available():
         yield
@@ -36,6 +38,66 @@ def _cpu_clock(ref_model_module):
         ref_model_module._cuda_time = saved
 
 
+@dataclass
+class ReferenceLoop:
+    """The reference loop as a DecodeEngine (eval/engines.py): the export in `export_dir` drafting
+    for `target_model`, greedy; its summary has the acceptance lengths (tau), not the tokens.
+    `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal)."""
+
+    export_dir: str | Path
+    target_model: torch.nn.Module
+    stop_ids: Sequence[int] = ()
+    progress: bool = True
+    name: str = "reference"
+
+    def decode(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int
+    ) -> EvalSummary:
+        try:  # optional: the reference package is installed by `make setup`, not a dependency
+            from dflash import model as ref
+        except ImportError:
+            raise UserError(
+                "the reference check needs the `dflash` package: "
+                "pip install --no-deps dflash==0.1.0"
+            ) from None
+        param = next(self.target_model.parameters())
+        drafter = ref.DFlashDraftModel.from_pretrained(str(self.export_dir), dtype=param.dtype)
+        drafter = drafter.to(param.device).eval()
+        results = []
+        with (
+            _cpu_clock(ref),
+            warnings.catch_warnings(),
+            showing_progress(
+                len(prompts), desc="reference", unit="prompt", enabled=self.progress
+            ) as bar,
+        ):
+            # The reference passes `past_key_values`, which transformers 5.x renamed `cache` and
+            # warns about on every call; the warning is the package's, not the user's to act on.
+            warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated")
+            for ids in prompts:
+                x = torch.tensor([list(ids)], dtype=torch.long, device=param.device)
+                r = ref.dflash_generate(
+                    drafter,
+                    self.target_model,
+                    x,
+                    max_new_tokens,
+                    list(self.stop_ids) or None,
+                    block_size=block_size,
+                    return_stats=True,
+                )
+                lens = [int(a) for a in r.acceptance_lengths]
+                results.append(
+                    GenResult(
+                        tokens=[], acceptance_lengths=lens, accepted_drafts=[], block_sizes=[]
+                    )
+                )
+                bar.update(1)
+        return summarize(results, None, block_size)
+
+    def details(self) -> dict:
+        return {}
+
+
 def reference_tau(
     export_dir: str | Path,
     target_model: torch.nn.Module,
@@ -46,41 +108,7 @@ def reference_tau(
     progress: bool = True,
 ) -> dict:
     """tau of the reference loop over `prompts` (token id lists), aggregated like ours: the
-    mean over responses of each response's mean tokens per cycle. `progress`: a bar over
-    prompts (observe/progress.py; drawn only when stderr is a terminal)."""
-    try:  # optional: the reference package is installed by `make setup`, not a dependency
-        from dflash import model as ref
-    except ImportError:
-        raise UserError(
-            "the reference check needs the `dflash` package: pip install --no-deps dflash==0.1.0"
-        ) from None
-    param = next(target_model.parameters())
-    drafter = ref.DFlashDraftModel.from_pretrained(str(export_dir), dtype=param.dtype)
-    drafter = drafter.to(param.device).eval()
-    results = []
-    with (
-        _cpu_clock(ref),
-        warnings.catch_warnings(),
-        showing_progress(len(prompts), desc="reference", unit="prompt", enabled=progress) as bar,
-    ):
-        # The reference passes `past_key_values`, which transformers 5.x renamed `cache` and
-        # warns about on every call; the warning is the package's, not the user's to act on.
-        warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated")
-        for ids in prompts:
-            x = torch.tensor([list(ids)], dtype=torch.long, device=param.device)
-            r = ref.dflash_generate(
-                drafter,
-                target_model,
-                x,
-                max_new_tokens,
-                list(stop_ids) or None,
-                block_size=block_size,
-                return_stats=True,
-            )
-            lens = [int(a) for a in r.acceptance_lengths]
-            results.append(
-                GenResult(tokens=[], acceptance_lengths=lens, accepted_drafts=[], block_sizes=[])
-            )
-            bar.update(1)
-    s = summarize(results, None, block_size)
-    return {"tau": s.tau, "num_prompts": len(results)}
+    mean over responses of each response's mean tokens per cycle."""
+    loop = ReferenceLoop(export_dir, target_model, stop_ids, progress)
+    s = loop.decode(prompts, max_new_tokens, block_size)
+    return {"tau": s.tau, "num_prompts": s.num_responses}

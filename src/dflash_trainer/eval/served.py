@@ -1,10 +1,11 @@
 """Served acceptance: the export decoded by a serving engine (vLLM) as its DFlash drafter.
 
-One more implementation behind the evaluation interface of eval/specdecode.py: `served_evaluate`
-takes the same prompts (token ids, rendered as in training), block size, token limit and stop ids
-as `evaluate` and returns the same `EvalSummary`, its `spec_results` being vLLM's generations with
-the drafter and its `ar_results` vLLM's plain greedy ones (so `outputs_match`/`lossless_line` is
-the identity of vLLM's spec output against vLLM's own greedy output).
+One more implementation of the evaluation interface (eval/engines.py; here `ServedLoop`):
+`served_evaluate` takes the same prompts (token ids, rendered as in training), block size, token
+limit and stop ids as `evaluate` and returns the same `EvalSummary`, its `spec_results` being
+vLLM's generations with the drafter and its `ar_results` vLLM's plain greedy ones (so
+`outputs_match`/`lossless_line` is the identity of vLLM's spec output against vLLM's own greedy
+output).
 
 vLLM lives in its own venv (`make vllm` builds `.venv-vllm` with vLLM's CPU build; GPU users
 `pip install vllm` into any venv) because it pins transformers<5.20: the engine runs as a
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.eval.evaluation import divergence_gap, evaluate
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.specdecode import GenResult
 from dflash_trainer.models.vllm_engine import (  # noqa: F401  (re-exported for callers and tests)
@@ -139,6 +141,38 @@ def served_evaluate(
     )
 
 
+@dataclass
+class ServedLoop:
+    """vLLM serving the export in `export_dir` as a DecodeEngine (eval/engines.py): greedy, with
+    vLLM's plain greedy decoding of the same prompts as the baseline (`baseline`). `last`: the
+    most recent decode's vLLM figures (mean acceptance length, version, timings)."""
+
+    engine: VLLMEngine
+    export_dir: str | Path
+    stop_ids: Sequence[int] = ()
+    baseline: bool = True
+    name: str = "vllm"
+    last: ServedEval | None = None
+
+    def decode(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int
+    ) -> EvalSummary:
+        self.last = served_evaluate(
+            self.engine,
+            self.export_dir,
+            prompts,
+            max_new_tokens,
+            block_size,
+            self.stop_ids,
+            self.baseline,
+        )
+        return self.last.summary
+
+    def details(self) -> dict:
+        """vLLM's own figures of the last decode (eval.json's `served`)."""
+        return self.last.to_dict() if self.last is not None else {}
+
+
 # --------------------------------------------------------------------------------------------
 # The train/serve parity gate
 # --------------------------------------------------------------------------------------------
@@ -162,7 +196,7 @@ SERVED_NEAR_TIE_LOGIT_GAP = 0.05
 
 def parity_problems(
     ours: EvalSummary,
-    served: ServedEval,
+    served: ServedEval | EvalSummary,
     drafter_cfg: Any,
     target: str,
     tolerance: float = PARITY_TOLERANCE,
@@ -187,7 +221,7 @@ def parity_problems(
             bad += g > SERVED_NEAR_TIE_LOGIT_GAP
         return bad, worst
 
-    s = served.summary
+    s = served.summary if isinstance(served, ServedEval) else served
     out = []
     m = len(ours.spec_results)
     if s.ar_results:
@@ -241,8 +275,6 @@ def logit_gap(target: Any, prompts: Sequence[Sequence[int]]) -> Callable[[int, A
     """parity_problems' `gap`: specdecode.divergence_gap under `target` (a TargetModel)."""
     import torch
 
-    from dflash_trainer.eval.specdecode import divergence_gap
-
     device = next(target.model.parameters()).device
 
     def gap(i: int, a: Any, b: Any) -> float:
@@ -289,8 +321,6 @@ def parity_gate(
     if engine is None:
         log.warning("vLLM not available, served evaluation skipped: %s", why)
         return None
-    from dflash_trainer.eval.specdecode import evaluate
-
     block = cfg.eval.block_size or drafter.config.block_size
     n = cfg.eval.max_new_tokens
     stop = list(target.eos_token_ids)
@@ -332,53 +362,7 @@ def parity_gate(
     return out
 
 
-def compare_served(
-    cfg: Any, target: Any, export_dir: str | Path, results: dict, block_size: int, dtype: str
-) -> dict:
-    """`eval --eval.engine=vllm`: for every dataset our loop decoded (`results`: name ->
-    EvalSummary with its prompts), the reference loop's tau and vLLM serving the export on the
-    same prompts, with what diverged (parity_problems). Prints one line per dataset."""
-    from dflash_trainer.eval.reference import reference_tau
-
-    if cfg.eval.temperature > 0:
-        raise UserError(
-            "eval.engine=vllm compares greedy decoding token by token; set --eval.temperature=0."
-        )
-    engine, _ = engine_for_config(cfg, dtype, required="vLLM is needed here but cannot run")
-    drafter_cfg = _read_config(export_dir)
-    stop = list(target.eos_token_ids)
-    n = cfg.eval.max_new_tokens
-    out = {}
-    for name, ours in results.items():
-        prompts = ours.prompts
-        ref = reference_tau(export_dir, target.model, prompts, n, block_size, stop, progress=False)
-        served = served_evaluate(engine, export_dir, prompts, n, block_size, stop)
-        gap = logit_gap(target, prompts)
-        problems = parity_problems(
-            ours, served, drafter_cfg, engine.target, cfg.eval.parity_tolerance, gap
-        )
-        same = sum(
-            a.tokens == b.tokens for a, b in zip(served.summary.spec_results, ours.spec_results)
-        )
-        out[name] = {
-            "tau": ours.tau,
-            "tau_reference_loop": ref["tau"],
-            "served": served.to_dict(),
-            "identical_to_ours": same,
-            "parity_problems": problems,
-        }
-        print(
-            f"{name}: tau ours {ours.tau:.3f}, reference loop {ref['tau']:.3f}, vLLM "
-            f"{served.vllm_version} {served.summary.tau:.3f} (mean acceptance length "
-            f"{served.mean_acceptance_length:.3f}); vLLM output identical to ours on {same} of "
-            f"{len(prompts)}, {served.summary.lossless_line()}"
-            + ("" if not problems else "; PARITY: " + " | ".join(problems)),
-            flush=True,
-        )
-    return out
-
-
-def _read_config(export_dir: str | Path) -> Any:
+def read_export_config(export_dir: str | Path) -> Any:
     """The export's drafter settings the parity messages name (config.json)."""
     from types import SimpleNamespace
 

@@ -23,14 +23,15 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, VALIDATION, split_roles, stratified_pick
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
-from dflash_trainer.eval.metrics import summarize
-from dflash_trainer.eval.specdecode import evaluate
+from dflash_trainer.eval.engines import EvalRun, ProjectLoop, comparison_engine
+from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
-from dflash_trainer.models.export import export_drafter, export_dtype
+from dflash_trainer.models.export import export_drafter, export_dtype, load_drafter
 
 log = logging.getLogger(__name__)
 
@@ -109,97 +110,120 @@ class PeriodicEval:
     def block_size(self) -> int:
         return self.cfg.eval.block_size or self.cfg.drafter.block_size
 
-    def _eval_target(self):
+    @property
+    def dtype_name(self) -> str:
+        """eval.dtype resolved, by name ("float32")."""
+        assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
+        return dtype_label(self.dtype)
+
+    def eval_target(self) -> Any:
+        """The target in eval.dtype (a cast copy where training uses another dtype), made once;
+        what every evaluation of this run decodes with (and the parity gate)."""
         if self._target is None:
+            assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
             self._target = target_in(self.target, self.dtype)
             self._sim = TauSim(
                 self._target, [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report]
             )
         return self._target
 
-    def _measure(self, examples: list[HeldoutPrompt], progress: bool) -> tuple[dict, dict]:
-        """(tau, tau_sim) of the current drafter on `examples`, each per source and overall
-        ("all"); tau_sim is empty when eval.tau_sim is off. `progress`: bars over prompts."""
+    def exported_drafter(self, export_dir: Path) -> Any:
+        """The export as written (its stored dtype), cast to eval.dtype like every evaluation:
+        what the reference loop and vLLM load too."""
+        assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
+        device = next(self.target.model.parameters()).device
+        return drafter_in(load_drafter(export_dir, device), self.dtype)
+
+    def _measure(
+        self,
+        examples: list[HeldoutPrompt],
+        progress: bool,
+        decoded: list[HeldoutPrompt] | None = None,
+        export_dir: Path | None = None,
+    ) -> EvalRun:
+        """The one evaluation of held-out prompts: the `decoded` ones (default all `examples`)
+        decoded by the project's loop, per source; tau_sim replayed on every one of `examples`
+        (eval.tau_sim). With `export_dir` (the end of the run) the export is decoded, and the
+        baseline and the compared engines (eval.at_end_baseline, eval.compare) run too."""
         e = self.cfg.eval
-        target = self._eval_target()
-        drafter = drafter_in(self.drafter, self.dtype)
-        s = evaluate(
+        decoded = examples if decoded is None else decoded
+        target = self.eval_target()
+        final = export_dir is not None
+        drafter = (
+            self.exported_drafter(export_dir) if final else drafter_in(self.drafter, self.dtype)
+        )
+        loop = ProjectLoop(
             target,
             drafter,
-            [x.prompt for x in examples],
-            e.max_new_tokens,
-            self.block_size,
-            baseline=False,
-            warmup=False,
+            baseline=final and e.at_end_baseline,
             progress=progress,
             packed=self.cfg.target.packed_linear,
         )
-        by_source = defaultdict(list)
-        for x, r in zip(examples, s.spec_results):
-            by_source[x.source].append(r)
-        taus = {"all": s.tau}
-        taus.update(
-            {src: summarize(rs, None, self.block_size).tau for src, rs in by_source.items()}
-        )
-        sims = {}
-        if e.tau_sim:
+        s = loop.decode([x.prompt for x in decoded], e.max_new_tokens, self.block_size)
+        run = EvalRun(groups=_by_source(decoded, s), overall=s)
+        if final and e.compare:
+            label = dtype_label(self.dtype)
+            engines = [comparison_engine(n, self.cfg, target, export_dir, label) for n in e.compare]
+            run.compare(engines, e.max_new_tokens, self.block_size)
+        if e.tau_sim and self._sim is not None:
             sim = self._sim.run(
-                drafter,
-                e.max_new_tokens,
-                self.block_size,
-                [x.id for x in examples],
-                progress=progress,
+                drafter, e.max_new_tokens, self.block_size, [x.id for x in examples], progress
             )
-            source = {x.id: x.source for x in examples}
+            lens = dict(zip(sim.keys, sim.acceptance_lengths))
             replayed = defaultdict(list)
-            for key, lens in zip(sim.keys, sim.acceptance_lengths):
-                replayed[source[key]].append(lens)
-            sims = {"all": sim.tau}
-            sims.update({src: mean_tau(lens) for src, lens in replayed.items()})
-        return taus, sims
+            for x in examples:
+                replayed[x.source].append(lens[x.id])
+            run.sims = {"all": sim.tau}
+            run.sims.update({src: mean_tau(ls) for src, ls in sorted(replayed.items())})
+            run.sim_gap = mean_tau([lens[x.id] for x in decoded]) - s.tau
+            run.sim_prompts = len(examples)
+        return run
 
-    def _record(self, step: int, examples, which: str, t0: float, progress: bool) -> dict:
-        taus, sims = self._measure(examples, progress)
-        rec = {
-            "eval/tau": float(taus["all"]),
-            "eval/prompts": len(examples),
-            "eval/set": which,
-            "eval/dtype": dtype_label(self.dtype),
-            "eval/step": step,
-        }
-        for src, t in sorted(taus.items()):
-            if src != "all":
-                rec[f"eval/tau/{src}"] = float(t)
-        sim = sims.get("all", float("nan"))
-        if self.cfg.eval.tau_sim:
-            rec["eval/tau_sim"] = sim
-            rec["eval/tau_sim_gap"] = sim - taus["all"]
-            for src, t in sorted(sims.items()):
-                if src != "all":
-                    rec[f"eval/tau_sim/{src}"] = float(t)
+    def _record(
+        self,
+        step: int,
+        examples: list[HeldoutPrompt],
+        which: str,
+        progress: bool,
+        decoded: list[HeldoutPrompt] | None = None,
+        export_dir: Path | None = None,
+    ) -> tuple[dict, EvalRun]:
+        t0 = time.perf_counter()
+        run = self._measure(examples, progress, decoded, export_dir)
+        rec = run.events()
+        rec.update(
+            {
+                "eval/prompts": run.overall.num_responses,
+                "eval/set": which,
+                "eval/dtype": dtype_label(self.dtype),
+                "eval/step": step,
+            }
+        )
+        if run.sims:
+            rec["eval/tau_sim_prompts"] = run.sim_prompts
         rec["eval/seconds"] = time.perf_counter() - t0
-        per = ", ".join(f"{s} {t:.3f}" for s, t in sorted(taus.items()) if s != "all")
+        per = ", ".join(f"{g} {s.tau:.3f}" for g, s in run.groups.items())
+        sim = run.sims.get("all", float("nan"))
         log.info(
             "eval at step %d on %d %s prompts (%s): tau %.3f (%s)%s, %.1f s",
             step,
-            len(examples),
+            run.overall.num_responses,
             which,
             rec["eval/dtype"],
-            taus["all"],
+            run.overall.tau,
             per,
-            f"; tau_sim {sim:.3f} (gap {sim - taus['all']:+.3f})" if self.cfg.eval.tau_sim else "",
+            f"; tau_sim {sim:.3f} (gap {run.sim_gap:+.3f})" if run.sims else "",
             rec["eval/seconds"],
         )
-        return rec
+        return rec, run
 
     def run(self, step: int) -> dict | None:
         """Periodic: the fixed validation subset; exports best/ when its tau improves."""
         if not self.periodic or step == self.last_step:
             return None
         self.last_step = step
-        t0 = time.perf_counter()
         with self.lock:  # no bar: this runs between training steps, under the training bar
-            rec = self._record(step, self.periodic, VALIDATION, t0, progress=False)
+            rec, _ = self._record(step, self.periodic, VALIDATION, progress=False)
         tau = rec["eval/tau"]
         if tau > self.best:
             self.best = tau
@@ -214,14 +238,39 @@ class PeriodicEval:
             rec["eval/best_tau"] = self.best
         return rec
 
-    def final(self, step: int) -> dict | None:
-        """End of run: every reported held-out prompt (never used to select anything)."""
+    def final(self, step: int, export_dir: Path | None = None) -> dict | None:
+        """End of run: the reported held-out prompts (never used to select anything), those of
+        eval.at_end_sources decoded ([] = all), tau_sim on every one. With `export_dir`, the
+        export is what is decoded, beside the baseline and eval.compare's engines. Prints the
+        table (metrics.console); returns the eval/* record every sink receives."""
         if not self.report:
             return None
-        t0 = time.perf_counter()
+        keep = set(self.cfg.eval.at_end_sources)
+        decoded = [e for e in self.report if not keep or e.source in keep] or self.report
+        console = self.cfg.metrics.console
         with self.lock:
-            rec = self._record(step, self.report, "heldout", t0, self.cfg.metrics.console)
+            rec, run = self._record(step, self.report, "heldout", console, decoded, export_dir)
+        if console:
+            print(format_table(run.groups), flush=True)
         return rec
 
     def close(self) -> None:
         self._target = self._sim = None
+
+
+def _by_source(examples: list[HeldoutPrompt], s: EvalSummary) -> dict[str, EvalSummary]:
+    """`s` (one summary over `examples`, in order) split per source."""
+    spec: dict[str, list] = defaultdict(list)
+    ar: dict[str, list] = defaultdict(list)
+    prompts: dict[str, list] = defaultdict(list)
+    for i, x in enumerate(examples):
+        spec[x.source].append(s.spec_results[i])
+        prompts[x.source].append(x.prompt)
+        if s.ar_results:
+            ar[x.source].append(s.ar_results[i])
+    out = {}
+    for src in sorted(spec):
+        part = summarize(spec[src], ar[src] or None, s.block_size)
+        part.decode_dtype, part.prompts = s.decode_dtype, prompts[src]
+        out[src] = part
+    return out

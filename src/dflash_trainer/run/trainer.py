@@ -34,14 +34,12 @@ from dflash_trainer.checkpoint import (
     step_of,
 )
 from dflash_trainer.config import Config
-from dflash_trainer.eval.dtype import drafter_in, dtype_label
 from dflash_trainer.eval.served import parity_gate
 from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import (
     export_drafter,
     export_dtype,
     export_weights,
-    load_drafter,
     training_record,
 )
 from dflash_trainer.observe.balance import assess as assess_balance
@@ -585,9 +583,9 @@ class Trainer:
         )
         return balance
 
-    def _evaluate_at_end(self, reason: str) -> dict:
+    def _evaluate_at_end(self, reason: str, export_dir: Path | None) -> dict:
         """The validation subset once more (best/ sees the final drafter), then every reported
-        held-out prompt (eval.at_end). Rank 0 only; skipped after a signal."""
+        held-out prompt with the export (eval.at_end). Rank 0 only; skipped after a signal."""
         if self.rank != 0 or reason == "signal":
             return {}
         step = self.loop.state.step
@@ -597,7 +595,7 @@ class Trainer:
                 self.mon.log_event(rec, step)
         if not self.cfg.eval.at_end:
             return {}
-        rec = self.evaluator.final(step)
+        rec = self.evaluator.final(step, export_dir)
         if not rec:
             return {}
         self.mon.log_event(rec, step)
@@ -615,12 +613,9 @@ class Trainer:
         if export_dir is None or not pinned:
             log.warning("parity gate: no export or no held-out prompts to serve; skipped")
             return None
-        target = ev._eval_target()  # in eval.dtype
-        assert ev.dtype is not None  # set whenever there are held-out prompts (pinned above)
-        # the export as written (its stored dtype), then cast like every evaluation
-        drafter = drafter_in(load_drafter(export_dir, target.device), ev.dtype)
+        target, drafter = ev.eval_target(), ev.exported_drafter(export_dir)  # in eval.dtype
         prompts = [e.prompt for e in pinned]
-        rec = parity_gate(self.cfg, target, drafter, export_dir, prompts, dtype_label(ev.dtype))
+        rec = parity_gate(self.cfg, target, drafter, export_dir, prompts, ev.dtype_name)
         if rec:
             self.mon.log_event(rec, self.loop.state.step)
         return rec
@@ -656,8 +651,8 @@ class Trainer:
             ck = self.checkpoint_now()
             if self.dist is not None and self.rank == 0:
                 merged.update(merge_snapshots(self.dist.snapshots(), self.parts.world_size))
-            final_eval = self._evaluate_at_end(reason)
-            export_dir = self._export_final()
+            export_dir = self._export_final()  # first: the end-of-run evaluation decodes it
+            final_eval = self._evaluate_at_end(reason, export_dir)
             parity = self._parity_gate(export_dir, reason)
             if parity:
                 final_eval = {**final_eval, **parity}

@@ -1,0 +1,160 @@
+"""Decoding engines behind one interface: given prompts, an `EvalSummary` of their decoding.
+
+Every evaluation (the end of a run, the `eval` command, the demo, the parity gate) decodes through
+a `DecodeEngine`; another engine plugs in as one more implementation and one more name in
+`ENGINES`, with no branch in any caller:
+- `project`: the project's loop (eval/evaluation.py `evaluate`), optionally with the plain greedy
+  baseline of each prompt (speedup, losslessness);
+- `reference`: the published reference loop (`dflash_generate`) on the export (eval/reference.py);
+- `vllm`: the export served by vLLM as its DFlash drafter (eval/served.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash_trainer.errors import UserError
+from dflash_trainer.eval.evaluation import evaluate
+from dflash_trainer.eval.metrics import EvalSummary
+from dflash_trainer.eval.reference import ReferenceLoop
+from dflash_trainer.eval.served import ServedLoop, engine_for_config
+
+# the engines an evaluation can compare against its own decoding (eval.compare)
+ENGINES = ("project", "reference", "vllm")
+
+
+class DecodeEngine(Protocol):
+    """One way of decoding prompts (token ids, rendered as in training) with a drafter."""
+
+    name: str
+
+    def decode(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int
+    ) -> EvalSummary: ...
+
+    def details(self) -> dict:
+        """The engine's own figures of its last decode, beyond the summary ({} when none)."""
+        ...
+
+
+@dataclass
+class ProjectLoop:
+    """The project's loop on `target` and `drafter` (both as given: cast them first).
+    `baseline`: also plain greedy decoding of each prompt (speedup, lossless)."""
+
+    target: Any
+    drafter: Any
+    baseline: bool = False
+    warmup: bool = False
+    progress: bool = False
+    packed: bool = True
+    options: dict[str, Any] = field(default_factory=dict)  # evaluate's sampling/verify settings
+    name: str = "project"
+
+    def decode(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int
+    ) -> EvalSummary:
+        return evaluate(
+            self.target,
+            self.drafter,
+            list(prompts),
+            max_new_tokens,
+            block_size,
+            baseline=self.baseline,
+            warmup=self.warmup,
+            progress=self.progress,
+            packed=self.packed,
+            **self.options,
+        )
+
+    def details(self) -> dict:
+        return {}
+
+
+def comparison_engine(
+    name: str, cfg: Any, target: Any, export_dir: str | Path | None, dtype: str
+) -> DecodeEngine:
+    """The engine `name` (one of eval.compare) decoding the export in `export_dir` beside
+    `target` (a TargetModel in the evaluation's dtype, `dtype` its label)."""
+    if name not in ENGINES or name == "project":
+        raise UserError(
+            f"eval.compare: '{name}' is no engine to compare with; use any of reference, vllm."
+        )
+    if export_dir is None:
+        raise UserError(f"eval.compare={name} decodes the export, and this run wrote none.")
+    stop = list(target.eos_token_ids)
+    if name == "reference":
+        return ReferenceLoop(export_dir, target.model, stop, progress=cfg.metrics.console)
+    if cfg.eval.temperature > 0:
+        raise UserError(
+            "eval.engine=vllm compares greedy decoding token by token; set --eval.temperature=0."
+        )
+    engine, _ = engine_for_config(cfg, dtype, required="vLLM is needed here but cannot run")
+    return ServedLoop(engine, export_dir, stop)
+
+
+def compared_engines(cfg: Any) -> list[str]:
+    """eval.compare, with eval.engine=vllm's comparisons (reference loop and vLLM) added."""
+    names = list(cfg.eval.compare)
+    if cfg.eval.engine == "vllm":
+        names += [n for n in ("reference", "vllm") if n not in names]
+    return names
+
+
+@dataclass
+class EvalRun:
+    """One evaluation's results, whichever command ran it: per group (a source of held-out
+    prompts, or an `eval.datasets` entry) the project loop's summary; the same prompts decoded
+    by each compared engine; tau_sim. `events()` is what every sink receives (eval/*)."""
+
+    groups: dict[str, EvalSummary]
+    overall: EvalSummary  # every group's responses together
+    sims: dict[str, float] = field(default_factory=dict)  # "all" and per group; {} = not run
+    sim_gap: float | None = None  # tau_sim - tau on the decoded prompts
+    sim_prompts: int = 0
+    compared: dict[str, dict[str, EvalSummary]] = field(default_factory=dict)  # engine -> group
+    details: dict[str, dict[str, dict]] = field(default_factory=dict)  # engine -> group -> own
+
+    def compare(self, engines: Sequence[DecodeEngine], max_new_tokens: int, block: int) -> None:
+        """Each engine decodes every group's prompts (the ones our loop answered)."""
+        for e in engines:
+            for g, s in self.groups.items():
+                self.compared.setdefault(e.name, {})[g] = e.decode(s.prompts, max_new_tokens, block)
+                self.details.setdefault(e.name, {})[g] = e.details()
+
+    def events(self) -> dict[str, Any]:
+        """eval/tau, eval/tau/<group>, eval/tau_sim(/<group>), eval/tau_sim_gap, eval/speedup,
+        eval/lossless (1/0) and its line where a baseline ran, eval/tau_<engine> per compared
+        engine (eval/tau_reference, eval/tau_vllm), each also per group when there are several."""
+        rec: dict[str, Any] = {"eval/tau": float(self.overall.tau)}
+        for g, s in self.groups.items():
+            rec[f"eval/tau/{g}"] = float(s.tau)
+        if self.sims:
+            rec["eval/tau_sim"] = float(self.sims["all"])
+            if self.sim_gap is not None:
+                rec["eval/tau_sim_gap"] = self.sim_gap
+            rec.update({f"eval/tau_sim/{g}": v for g, v in self.sims.items() if g != "all"})
+        o = self.overall
+        if o.speedup is not None:
+            rec["eval/speedup"] = float(o.speedup)
+            rec.update({f"eval/speedup/{g}": s.speedup for g, s in self.groups.items()})
+        if o.lossless is not None:
+            rec["eval/lossless"] = float(o.lossless)
+            rec["eval/lossless_line"] = o.lossless_line()
+        for name, by_group in self.compared.items():
+            taus = [x for s in by_group.values() for x in _response_taus(s)]
+            rec[f"eval/tau_{name}"] = sum(taus) / len(taus) if taus else 1.0
+            if len(by_group) > 1:
+                rec.update({f"eval/tau_{name}/{g}": s.tau for g, s in by_group.items()})
+        return rec
+
+
+def _response_taus(s: EvalSummary) -> list[float]:
+    return [
+        sum(r.acceptance_lengths) / len(r.acceptance_lengths)
+        for r in s.spec_results
+        if r.acceptance_lengths
+    ]

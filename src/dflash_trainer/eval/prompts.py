@@ -1,0 +1,96 @@
+"""Prompt sets for evaluation: JSONL prompt files, the embedded sets (MT-Bench, HumanEval), a
+run's held-out prompts, and which of them the run trained on (train_ids.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
+from dflash_trainer.data.prepare import prompt_hash
+from dflash_trainer.data.sources import BadRecord, parse_record
+from dflash_trainer.errors import UserError
+
+
+def load_prompt_file(path: str | Path, data_format: str = "chat") -> list[tuple[str, list[dict]]]:
+    """A JSONL file of prompts, one record per line in any shape data/sources.py reads for
+    `data_format` (chat: OpenAI `messages`, content-part lists included, or ShareGPT
+    `conversations`; text: `prompt`, the raw text a base model continues)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(
+            f"eval prompt file '{p}' does not exist; eval.datasets takes "
+            "'mt-bench', 'humaneval', 'heldout' or a JSONL path."
+        )
+    if data_format == "text":
+        expected = 'expected {"id": ..., "prompt": "..."} (data.format=text)'
+        no_prompt = "the record has no 'prompt' to continue"
+    else:
+        expected = (
+            'expected {"id": ..., "messages": [{"role": "user", "content": "..."}]} with roles '
+            "system/user/assistant"
+        )
+        no_prompt = "the conversation has no user turn to answer"
+    out = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}:{n}: invalid JSON ({e.msg}); one object per line.") from None
+        try:
+            rid, msgs = parse_record(rec, data_format)
+        except BadRecord as e:
+            raise UserError(f"{p}:{n}: {expected} ({e.field}: {e.problem}).") from None
+        if not msgs:
+            raise UserError(f"{p}:{n}: {expected} (the conversation is empty).")
+        if not any(m["role"] == "user" for m in msgs):
+            raise UserError(f"{p}:{n}: {no_prompt}.")
+        out.append((str(rid) if rid is not None else f"{p.name}:{n}", msgs))
+    return out
+
+
+def heldout_file(cfg: Any) -> Path:
+    return Path(cfg.eval.heldout_path or Path(cfg.run_dir) / "heldout.jsonl")
+
+
+def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
+    """(id, messages) pairs for one entry of eval.datasets."""
+    if name in ("mt-bench", "humaneval"):
+        prefix = {"mt-bench": "mtbench-", "humaneval": "humaneval-"}[name]
+        convs = [c for c in embedded.embedded_prompts() if c.id.startswith(prefix)]
+        if not convs:
+            raise UserError(f"no embedded prompts found for eval dataset '{name}'.")
+        return [(c.id, c.messages) for c in convs]
+    if name == "heldout":
+        path = heldout_file(cfg)
+        if not path.is_file():
+            raise UserError(
+                f"eval.datasets=heldout: no held-out prompts at '{path}'. Training writes them "
+                "(RUN_DIR/heldout.jsonl, the prompts it never trained on): pass the run's "
+                "--run_dir, or set --eval.heldout_path to a JSONL of {id, messages}. "
+                "mt-bench/humaneval are not held out from the embedded training data."
+            )
+        return load_prompt_file(path, cfg.data.format)
+    return load_prompt_file(name, cfg.data.format)
+
+
+def training_ids(cfg: Any) -> tuple[set, set] | None:
+    """(ids, prompt hashes) of the run's training conversations (train_ids.json beside the
+    held-out file), or None when the run wrote none."""
+    path = heldout_file(cfg).parent / "train_ids.json"
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text(encoding="utf-8"))
+    return set(d.get("ids", [])), set(d.get("prompt_hashes", []))
+
+
+def split_by_training(convs, trained: tuple[set, set]) -> tuple[list, list]:
+    """(prompts the run trained on, the rest), by conversation id or prompt hash."""
+    ids, hashes = trained
+    seen, rest = [], []
+    for cid, msgs in convs:
+        (seen if cid in ids or prompt_hash(msgs) in hashes else rest).append((cid, msgs))
+    return seen, rest
