@@ -287,7 +287,7 @@ def generate_responses(
     }
     done = read_done_ids(path, expect=provenance)
     todo = _todo(prompts, done, target.tokenizer, rendering)
-    stats = {
+    stats: dict[str, Any] = {
         "skipped_done": len(done),
         "written": 0,
         "new_tokens": 0,

@@ -92,14 +92,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     model.model.layers; else whatever `get_decoder().layers` names). Training and speculative
     decoding both tap these modules."""
     for path in ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers"):
-        obj = model
+        obj: Any = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
                 break
         if isinstance(obj, nn.ModuleList):
             return obj
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    hf: Any = model  # an HF PreTrainedModel; nn.Module's attribute typing does not know it
+    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, nn.ModuleList):
         return layers
@@ -135,13 +136,12 @@ class TargetModel:
         self._layers = decoder_layers(model)
         self.num_layers = len(self._layers)
         self.layer_ids = validate_taps(list(layer_ids), self.num_layers)
+        hf: Any = model  # an HF PreTrainedModel; nn.Module's attribute typing does not know it
         text_cfg = (
-            model.config.get_text_config()
-            if hasattr(model.config, "get_text_config")
-            else model.config
+            hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
         )
         self.hidden_size = int(text_cfg.hidden_size)
-        emb = model.get_input_embeddings()
+        emb = hf.get_input_embeddings()
         self.embed_weight = emb.weight
         # The drafter embeds its blocks with the raw table (F.embedding(ids, embed_weight)) in
         # training, evaluation and every engine (no input_embedding_scale in the export); a
@@ -156,7 +156,7 @@ class TargetModel:
                 self.embed_scale,
             )
         self.vocab_size = int(self.embed_weight.shape[0])
-        self.lm_head = model.get_output_embeddings()
+        self.lm_head: nn.Module = hf.get_output_embeddings()
         self.eos_token_ids = _eos_ids(model, tokenizer)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -222,7 +222,7 @@ class TargetModel:
         attn = _attn_kwargs(target_cfg)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **common)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common, **attn)
+            model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common, **attn)
         except ImportError as e:  # a flash-attention kernel (or a remote code dependency)
             fix = (
                 f"install the package that target.attn_implementation={attn['attn_implementation']}"
@@ -307,7 +307,10 @@ class TargetModel:
             feats = self._end()
         if feats is None:
             raise RuntimeError("a tapped layer did not run; the model skipped a decoder layer")
-        return (feats, out.last_hidden_state) if final else feats
+        if not final:
+            return feats
+        assert out is not None  # final: the forward ran to its end
+        return feats, out.last_hidden_state
 
     def check_taps(
         self, features_fn=None, seq_len: int = 32, seed: int = 0, attention_mask=None
