@@ -45,7 +45,7 @@ import torch
 from dflash_trainer.config_io import load_config
 from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
-from dflash_trainer.eval import specdecode as sd
+from dflash_trainer.decode import loop as decode_loop
 from dflash_trainer.eval.specdecode import ar_generate, spec_generate
 from dflash_trainer.models.export import export_drafter, load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
@@ -78,16 +78,16 @@ def _hf_greedy(model, ids, max_new, stop):
 
 
 def _oracle(greedy: list[int], prompt_len: int, right: int):
-    """A `_draft_block` that pays for the real drafter pass, then drafts `right` correct tokens
-    (the target's greedy continuation) and wrong ones after them."""
-    real = sd._draft_block
+    """A `draft_block` (decode/draft.py) that pays for the real drafter pass, then drafts `right`
+    correct tokens (the target's greedy continuation) and wrong ones after them."""
+    real = decode_loop.draft_block
 
-    def draft(drafter, target, last, start, ctx, dcache, q, k):
-        block = real(drafter, target, last, start, ctx, dcache, q, k)
+    def draft(drafter, embed_weight, lm_head, last, start, ctx, dcache, q, k):
+        block = real(drafter, embed_weight, lm_head, last, start, ctx, dcache, q, k)
         for i in range(1, block.shape[1]):
             j = start + i - prompt_len
             true = greedy[j] if j < len(greedy) else 0
-            block[0, i] = true if i <= right else (true + 1) % target.embed_weight.shape[0]
+            block[0, i] = true if i <= right else (true + 1) % embed_weight.shape[0]
         return block
 
     return draft
@@ -202,8 +202,8 @@ def main() -> None:
             x = torch.tensor([p])
             g, s_ar = _timed(ar_generate, model, x, n, stop_ids=stop)
             greedy_s, greedy_n = greedy_s + s_ar, greedy_n + len(g.tokens)
-            saved = sd._draft_block
-            sd._draft_block = _oracle(g.tokens, x.shape[1], args.oracle_drafts)
+            saved = decode_loop.draft_block
+            decode_loop.draft_block = _oracle(g.tokens, x.shape[1], args.oracle_drafts)
             try:
                 for how in ("full", "adaptive") if i % 2 == 0 else ("adaptive", "full"):
                     r, s_spec = _timed(spec, x, how)
@@ -213,7 +213,7 @@ def main() -> None:
                     ):
                         oracle[how][j] += v
             finally:
-                sd._draft_block = saved
+                decode_loop.draft_block = saved
     rate = {k: tokens[k] / sum(v) for k, v in t.items()}
     at_k = {
         how: {

@@ -36,9 +36,11 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.config_io import load_config
-from dflash_trainer.data import embedded, generate
-from dflash_trainer.data.chat import Rendering
-from dflash_trainer.data.generate import decode_batch, prompt_messages
+from dflash_trainer.data import embedded
+from dflash_trainer.data.chat import Rendering, prompt_messages
+from dflash_trainer.data.generate import decode_batch
+from dflash_trainer.decode import loop
+from dflash_trainer.decode.loop import GREEDY
 from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
@@ -74,16 +76,21 @@ def _hf_generate(target, rows, max_new, pad_id):
     return res
 
 
+def _greedy(target, rows, n, pad):
+    """decode_batch greedily (the target's eos ids stop a row)."""
+    return decode_batch(target, rows, n, GREEDY, [0] * len(rows), pad)
+
+
 def _with_cat_cache(fn, model, *args):
     """fn with transformers' own DynamicCache in place of models/kv_cache.py's."""
     from transformers import DynamicCache
 
-    saved = generate.new_kv_cache
-    generate.new_kv_cache = lambda m: DynamicCache(config=m.config)
+    saved = loop.new_kv_cache
+    loop.new_kv_cache = lambda m: DynamicCache(config=m.config)
     try:
         return fn(model, *args)
     finally:
-        generate.new_kv_cache = saved
+        loop.new_kv_cache = saved
 
 
 def _count(results) -> int:
@@ -107,17 +114,17 @@ def main() -> None:
     rows = [rendering.prompt_ids(tok, prompt_messages(p.messages)) for p in prompts[: args.prompts]]
     rows.sort(key=len)  # as generate_responses batches them
     pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
-    n, bsz, eos = args.max_new_tokens, args.batch_size, target.eos_token_ids
-    decode_batch(target.model, rows[:2], 4, eos, pad)  # warm-up
+    n, bsz = args.max_new_tokens, args.batch_size
+    _greedy(target, rows[:2], 4, pad)  # warm-up
     runs = {}
     t0 = time.perf_counter()
-    runs["one_at_a_time"] = [decode_batch(target.model, [r], n, eos, pad)[0] for r in rows]
+    runs["one_at_a_time"] = [_greedy(target, [r], n, pad)[0] for r in rows]
     times = {"one_at_a_time": time.perf_counter() - t0}
     for name, fn in (
         ("hf_generate", lambda b: _hf_generate(target, b, n, pad)),
-        ("ours", lambda b: decode_batch(target.model, b, n, eos, pad)),
-        ("ours_cat_cache", lambda b: _with_cat_cache(decode_batch, target.model, b, n, eos, pad)),
-        ("ours_packed", lambda b: decode_batch(target.model, b, n, eos, pad)),
+        ("ours", lambda b: _greedy(target, b, n, pad)),
+        ("ours_cat_cache", lambda b: _with_cat_cache(_greedy, target, b, n, pad)),
+        ("ours_packed", lambda b: _greedy(target, b, n, pad)),
     ):
         t0 = time.perf_counter()
         with packed_linears(target.model, enabled=name == "ours_packed"):
@@ -126,9 +133,7 @@ def main() -> None:
     for b in [int(x) for x in args.sweep.split(",") if x]:
         t0 = time.perf_counter()
         runs[f"ours_batch{b}"] = [
-            r
-            for i in range(0, len(rows), b)
-            for r in decode_batch(target.model, rows[i : i + b], n, eos, pad)
+            r for i in range(0, len(rows), b) for r in _greedy(target, rows[i : i + b], n, pad)
         ]
         times[f"ours_batch{b}"] = time.perf_counter() - t0
     rate = {k: _count(runs["one_at_a_time"]) / v for k, v in times.items()}

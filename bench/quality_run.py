@@ -42,9 +42,9 @@ from dflash_trainer.data.generate import ensure_embedded_responses, generate_wit
 from dflash_trainer.data.prepare import REPORT, prepare_data
 from dflash_trainer.data.synthesize import as_prompts, synth_provenance, synthesize_prompts
 from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import summarize
 from dflash_trainer.eval.reference import reference_tau
-from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.models.embedded import cache_root
 from dflash_trainer.models.export import load_drafter

@@ -309,3 +309,22 @@ def test_cli_generate_embedded(tmp_path, capsys):
     printed = capsys.readouterr().out
     print("\n" + printed.strip())
     assert "tokens/s" in printed
+
+
+def test_resume_refuses_a_file_sampled_before_the_position_keyed_sampler(target, tmp_path):
+    """Sampled answers changed with the one sampler (decode/sampler.py): a sampled file made
+    before it (no `sampler` in its provenance) must not be resumed with new samples; greedy
+    files have no sampler key and still resume."""
+    kw = dict(max_new_tokens=4, temperature=1.0, top_p=0.9, progress=False)
+    out = tmp_path / "old.jsonl"
+    generate_responses(target, PROMPTS[:2], out, **kw)
+    assert read(out)[0]["provenance"]["sampler"] == gen.SAMPLER
+    old = [json.loads(x) for x in out.read_text().splitlines()]
+    for r in old:
+        del r["provenance"]["sampler"]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old))
+    with pytest.raises(UserError, match=r"sampler=None, now 'position-keyed-v1'"):
+        generate_responses(target, PROMPTS, out, **kw)
+    greedy = tmp_path / "greedy.jsonl"
+    generate_responses(target, PROMPTS[:2], greedy, max_new_tokens=4, progress=False)
+    assert "sampler" not in read(greedy)[0]["provenance"]

@@ -12,17 +12,19 @@ import torch
 from torch import nn
 
 from dflash_trainer.data.chat import Rendering
+from dflash_trainer.decode import sampler as smp
+from dflash_trainer.decode.draft import AdaptiveVerify
+from dflash_trainer.decode.sampler import Sampler
 from dflash_trainer.eval import prompts as pr
 from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import position_acceptance, summarize
 from dflash_trainer.eval.specdecode import (
     GenResult,
-    TargetSide,
     ar_generate,
-    choose_tokens,
     spec_generate,
 )
+from dflash_trainer.models.target import TargetModel
 
 V, H = 128, 64
 LAYER_IDS = [0, 2]
@@ -57,8 +59,13 @@ def tiny_target(kind: str = "llama", seed: int = 0, layers: int = 4) -> nn.Modul
     return m.eval()
 
 
-def side(model: nn.Module, layer_ids=LAYER_IDS) -> TargetSide:
-    return TargetSide.from_hf(model, layer_ids)
+def side(model: nn.Module, layer_ids=LAYER_IDS) -> TargetModel:
+    return TargetModel.from_hf(model, None, layer_ids)
+
+
+def choose_tokens(logits, positions, temperature, top_p, seed):
+    """The sampler's tokens at `positions` (one seed for all)."""
+    return Sampler(temperature, top_p).choose(logits, torch.tensor(list(positions)), seed)
 
 
 def full_taps(model: nn.Module, ids: torch.Tensor, layer_ids=LAYER_IDS) -> torch.Tensor:
@@ -125,6 +132,9 @@ class OracleDrafter:
             out[0, k, 0] = tok
         return out
 
+    def propose(self, hidden, lm_head):
+        return lm_head(hidden).argmax(-1)
+
 
 def run_spec(model, drafter, ids, n, bs, lm_head=None, **kw) -> GenResult:
     t = side(model)
@@ -166,10 +176,10 @@ def test_top_p_support_and_greedy():
 
 def test_hash_never_overflows_int64():
     x = torch.tensor([0, 1, 2**32 - 1, 2**31, 12345], dtype=torch.int64)
-    y = sd._hash32(x)
+    y = smp.hash32(x)
     assert bool((y >= 0).all()) and bool((y < 2**32).all())
-    assert sd._mul32(torch.tensor([2**32 - 1]), 0xFFFFFFFF).item() == ((2**32 - 1) ** 2) % 2**32
-    assert y.tolist() == [sd._hash32_int(int(v)) for v in x]  # tensor and Python forms agree
+    assert smp._mul32(torch.tensor([2**32 - 1]), 0xFFFFFFFF).item() == ((2**32 - 1) ** 2) % 2**32
+    assert y.tolist() == [smp.hash32_int(int(v)) for v in x]  # tensor and Python forms agree
 
 
 # ---------------------------------------------------------------------------------- lossless
@@ -736,7 +746,7 @@ def test_smollm2_fp32_random_drafter_lossless():
 
 
 def test_adaptive_verify_window():
-    w = sd.AdaptiveVerify(15, window=4, margin=2)
+    w = AdaptiveVerify(15, window=4, margin=2)
     assert w.k == 15  # starts at the whole block
     w.update(1, 15)
     assert w.k == 3  # most accepted lately + margin

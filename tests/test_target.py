@@ -211,27 +211,52 @@ def test_attributes_and_frozen():
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
-def test_tapped_forward_full_and_incremental(build):
+def test_decoding_forward_full_and_incremental(build):
+    from dflash_trainer.models.kv_cache import new_kv_cache
+
     model = build()
     target = TargetModel.from_hf(model, None, [0, 2])
     ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(2))
-    feats, logits, cache = target.tapped_forward(ids)
-    assert cache is None
+    pos = torch.arange(10).expand(2, 10)
+    logits, feats = target.forward(ids, pos, new_kv_cache(model), taps=True)
     with torch.no_grad():
         ref = model(input_ids=ids, output_hidden_states=True)
     assert_close(feats, torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1), atol=0, rtol=0)
     assert_close(logits, ref.logits, atol=0, rtol=0)
+    # the training capture (stops after the last tap) gives the same features
+    assert_close(target.features(ids), feats, atol=0, rtol=0)
+    assert target.forward(ids, pos, new_kv_cache(model), taps=False)[1] is None
 
     # prefill 6 tokens into a cache, then 3 + 1 more: features and last logits match the full pass
-    cache = target.new_cache()
-    f1, l1, cache = target.tapped_forward(ids[:, :6], past_key_values=cache, logits_to_keep=1)
+    cache = new_kv_cache(model)
+    l1, f1 = target.forward(ids[:, :6], pos[:, :6], cache, taps=True, logits_to_keep=1)
     assert l1.shape == (2, 1, 128) and cache.get_seq_length() == 6
-    f2, l2, cache = target.tapped_forward(ids[:, 6:9], past_key_values=cache)
-    f3, l3, cache = target.tapped_forward(ids[:, 9:], past_key_values=cache, logits_to_keep=1)
+    l2, f2 = target.forward(ids[:, 6:9], pos[:, 6:9], cache, taps=True)
+    l3, f3 = target.forward(ids[:, 9:], pos[:, 9:], cache, taps=True, logits_to_keep=1)
     assert cache.get_seq_length() == 10
     assert_close(torch.cat([f1, f2, f3], 1), feats, atol=1e-5, rtol=1e-5)
     assert_close(l2, ref.logits[:, 6:9], atol=1e-5, rtol=1e-5)
     assert_close(l3[:, -1], ref.logits[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_cast_is_a_target_in_the_other_dtype_with_its_own_taps(build):
+    model = build()
+    target = TargetModel.from_hf(model, None, [0, 2])
+    target.eos_token_ids = [7]
+    assert target.cast(torch.float32) is target
+    half = target.cast(torch.bfloat16)
+    assert half is not target and half.dtype == torch.bfloat16 and half.model is not model
+    assert target.dtype == torch.float32  # the training target is not cast in place
+    assert half.layer_ids == [0, 2] and half.eos_token_ids == [7]
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = half.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert_close(half.features(ids), torch.cat([ref[1], ref[3]], -1), atol=0, rtol=0)
+    # the copy's layers carry its own capture hooks, none of the original's
+    orig = {h.id for h in target._hooks}
+    assert all(not orig & half.layers[i]._forward_hooks.keys() for i in range(4))
+    assert all(h.id in half.layers[i]._forward_hooks for h, i in zip(half._hooks, (0, 2)))
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3])

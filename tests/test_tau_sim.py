@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dflash_trainer.eval.evaluation import evaluate
-from dflash_trainer.eval.specdecode import TargetSide
 from dflash_trainer.eval.tau_sim import TauSim, simulate_response
 from test_specdecode import _trained_drafter, ar_generate, random_prompt, side, tiny_target
 
@@ -24,8 +23,8 @@ def _setup(n_new=24, seed=3):
     g = torch.Generator().manual_seed(7)
     prompts = [random_prompt(g, 6, 12) for _ in range(3)]
     drafter = _trained_drafter(model, prompts, block_size=8, steps=400)
-    t = side(model)
-    target = TargetSide(model, t.layer_ids, t.embed_weight, t.lm_head, [])
+    target = side(model)
+    assert target.eos_token_ids == []
     seqs = []
     for i, p in enumerate(prompts):
         resp = ar_generate(model, p, n_new).tokens  # the target's own greedy answer
@@ -52,7 +51,7 @@ def test_tau_sim_stops_where_the_loop_stops():
     measured = evaluate(
         target, drafter, prompts[:1], 24, 8, stop_ids=[stop], baseline=False, warmup=False
     )
-    stopping = TargetSide(target.model, target.layer_ids, target.embed_weight, target.lm_head)
+    stopping = side(target.model)
     stopping.eos_token_ids = [stop]
     sim = TauSim(stopping, [seqs[0]])
     got = sim.run(drafter, 24, 8)

@@ -212,6 +212,18 @@ def _render(tokenizer, messages, gen: bool, kwargs: dict) -> str:
         ) from None
 
 
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """The prompt side of a conversation: its system/user turns before the first assistant turn
+    (later turns depended on the old response; `generate` regenerates from this, and a
+    conversation's identity (data/prepare.py prompt_hash) is its prompt)."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            break
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
 def render_text(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Raw text (data.format=text): the turns' contents joined as they are, no template; the
     spans of the response turns (the document, or the completion after its prompt)."""

@@ -22,14 +22,13 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
-from dflash_trainer.data.chat import Rendering, render_text
+from dflash_trainer.data.chat import Rendering, prompt_messages, render_text
 from dflash_trainer.data.sources import load_sources
+from dflash_trainer.decode.loop import decode
+from dflash_trainer.decode.sampler import Sampler, hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.embedded import cache_root
-from dflash_trainer.models.kv_cache import cache_kwarg, new_kv_cache
 from dflash_trainer.models.precision import dtype_name
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.models.vllm_engine import VLLMEngine, engine_for_config
@@ -54,7 +53,12 @@ _PROVENANCE_KEYS = (
     "thinking",
     "format",
     "chat_template",
+    "sampler",
 )
+# The sampler a sampled file's answers come from, in its provenance (absent when greedy: greedy
+# answers do not depend on it). Files sampled before the position-keyed sampler (decode/sampler.py)
+# have no such key, so a resume refuses to mix them with new samples.
+SAMPLER = "position-keyed-v1"
 
 
 # ------------------------------------------------------------------------------------ resumable IO
@@ -118,17 +122,6 @@ def _append_records(path: Path, records: list[dict]) -> None:
 # ---------------------------------------------------------------------------------- prompt shaping
 
 
-def prompt_messages(messages: list[dict]) -> list[dict]:
-    """The prompt to regenerate from: the leading system/user turns before the first assistant
-    turn (later turns depended on the old response, so they are dropped)."""
-    out = []
-    for m in messages:
-        if m.get("role") == "assistant":
-            break
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
-
-
 def answer_record(rendering: Rendering, pid: str, prompt: list[dict], answer: str, prov: dict):
     """The record of one answered prompt, in the shape data/sources.py reads back in the same
     data format."""
@@ -144,16 +137,6 @@ def answer_record(rendering: Rendering, pid: str, prompt: list[dict], answer: st
         "messages": prompt + [{"role": "assistant", "content": answer}],
         "provenance": prov,
     }
-
-
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 # -------------------------------------------------------------------------------------- generation
@@ -180,94 +163,40 @@ def _todo(prompts, done: set, tokenizer, rendering: Rendering) -> list[tuple]:
     return todo
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_p: float, gen) -> torch.Tensor:
-    """Next token per row from logits [R, V]: argmax, or a temperature/top-p sample."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the top token is always kept
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-    return torch.multinomial(probs, 1, generator=gen)[:, 0]
-
-
-@torch.no_grad()
 def decode_batch(
-    model,
+    target: TargetModel,
     rows: list[list[int]],
     max_new_tokens: int,
-    stop_ids,
+    sampler: Sampler,
+    seeds: list[int],
     pad_id: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    gen: torch.Generator | None = None,
+    stop_ids: list[int] | None = None,
 ) -> list[tuple[list[int], bool]]:
-    """(new tokens, ended on a stop id) per prompt row: one left-padded prefill for all rows,
-    then one forward per step for the rows still running. A row leaves the batch when it ends
-    (its KV cache rows are dropped), so long answers do not keep short ones' compute busy: half
-    the embedded answers stop early. The stop id itself is not in the returned tokens."""
-    device = next(model.parameters()).device
-    ids, mask = _left_pad(rows, pad_id, device)
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    cache, kw = new_kv_cache(model), cache_kwarg(model)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
-        **{kw: cache},
-        use_cache=True,
-        logits_to_keep=1,
+    """(new tokens, ended on a stop id) per prompt row, from the decode loop (decode/loop.py:
+    one left-padded prefill, then one forward per step for the rows still running). The stop
+    id itself is not in the returned tokens; `stop_ids`: default the target's eos ids."""
+    out = decode(
+        target, rows, max_new_tokens, sampler, seeds=seeds, stop_ids=stop_ids, pad_id=pad_id
     )
-    nxt = _choose(out.logits[:, -1], temperature, top_p, gen)
-    stop = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
-    live = list(range(len(rows)))  # original row of each batch row
-    last = pos[:, -1]
-    tokens: list[list[int]] = [[] for _ in rows]
-    stopped = [False] * len(rows)
-    for step in range(max_new_tokens):
-        ends = torch.isin(nxt, stop)
-        for r, t, e in zip(live, nxt.tolist(), ends.tolist()):  # one host read per step
-            if e:
-                stopped[r] = True
-            else:
-                tokens[r].append(t)
-        keep = [i for i, (r, e) in enumerate(zip(live, ends.tolist())) if not e]
-        if step + 1 == max_new_tokens or not keep:
-            break
-        if len(keep) < len(live):
-            sel = torch.tensor(keep, device=device)
-            cache.batch_select_indices(sel)
-            mask, nxt, last = mask[sel], nxt[sel], last[sel]
-            live = [live[i] for i in keep]
-        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-        last = last + 1
-        out = model(
-            input_ids=nxt[:, None],
-            attention_mask=mask,
-            position_ids=last[:, None],
-            **{kw: cache},
-            use_cache=True,
-        )
-        nxt = _choose(out.logits[:, -1], temperature, top_p, gen)
-    return list(zip(tokens, stopped))
+    return [(r.tokens[:-1] if r.stopped else r.tokens, r.stopped) for r in out]
+
+
+def row_seed(seed: int, pid: str) -> int:
+    """A prompt's sampling seed: a function of the run's seed and the prompt id only, so a
+    sampled answer does not depend on the batch it ran in (resumed runs are reproducible)."""
+    return hash32_int(seed ^ zlib.crc32(pid.encode()))
 
 
 def _generate_batch(target, chunk, settings, pad_id, seed, provenance, rendering) -> tuple:
     """Records for one batch of prompts, and the new tokens they hold."""
     tok = target.tokenizer
-    # Seeded per batch from its first id, so a sampled batch does not depend on the ones
-    # before it (resumed runs stay reproducible when the batches line up).
-    gen = torch.Generator(device=target.device).manual_seed(seed ^ zlib.crc32(chunk[0][0].encode()))
     decoded = decode_batch(
-        target.model,
+        target,
         [t[2] for t in chunk],
         settings["max_new_tokens"],
-        target.eos_token_ids,
+        Sampler(settings["temperature"], settings["top_p"]),
+        [row_seed(seed, t[0]) for t in chunk],
         pad_id,
-        settings["temperature"],
-        settings["top_p"],
-        gen,
     )
     records, new_tokens = [], 0
     for (pid, msgs, _), (row, stopped) in zip(chunk, decoded):
@@ -340,8 +269,8 @@ def generate_responses(
     `Rendering()`, chat). Greedy when temperature == 0, else sampled with temperature/top_p.
     Batches are left padded; prompts are sorted by length so a batch wastes little padding.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
-    `engine`: "hf" = the batched decode loop here (decode_batch); "vllm" = vLLM's offline engine
-    (`vllm`: a models/vllm_engine.VLLMEngine serving this target), all prompts in one engine call
+    `engine`: "hf" = the project's decode loop (decode/loop.py), batched; "vllm" = vLLM's offline
+    engine (`vllm`: a models/vllm_engine.VLLMEngine serving this target), all prompts in one call
     (resumable per call, not per batch), its sampling parameters in each record's provenance.
     Every record's provenance names the engine, the seed and the target's dtype (a sampled
     answer is reproducible from them), plus `extra_provenance` (e.g. the target revision).
@@ -365,10 +294,12 @@ def generate_responses(
         "seed": seed,
         "dtype": str(target.dtype).replace("torch.", ""),
         **(extra_provenance or {}),
+        # sampled answers come from one engine's sampler: a resume never mixes two streams
+        **({"sampler": SAMPLER if engine == "hf" else engine} if temperature > 0 else {}),
     }
     done = read_done_ids(path, expect=provenance)
     todo = _todo(prompts, done, target.tokenizer, rendering)
-    stats = {
+    stats: dict[str, Any] = {
         "skipped_done": len(done),
         "written": 0,
         "new_tokens": 0,

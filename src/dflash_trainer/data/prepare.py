@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_trainer.data.chat import Rendering, build_dataset, render_text
+from dflash_trainer.data.chat import Rendering, build_dataset, prompt_messages, render_text
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
 from dflash_trainer.files import write_atomic
@@ -59,16 +59,6 @@ def source_label(conv_id: str, source: str, embedded_files: set[str]) -> str:
             if conv_id.startswith(prefix):
                 return name
     return Path(source).name
-
-
-def prompt_messages(messages: list[dict]) -> list[dict]:
-    """The prompt side of a conversation: its turns before the first assistant turn."""
-    out = []
-    for m in messages:
-        if m["role"] == "assistant":
-            break
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
 
 
 def prompt_hash(messages: list[dict]) -> str:

@@ -34,11 +34,10 @@ import unicodedata
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import torch
-
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import choose_engine, decode_batch, load_prompts
 from dflash_trainer.data.sources import Conversation
+from dflash_trainer.decode.sampler import Sampler, hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import write_atomic
 
@@ -178,16 +177,16 @@ def pre_query_ids(tokenizer, rendering: Rendering, system_prompt: str, hint: str
 
 
 def _sample_hf(target, row: list[int], count: int, s, stop, seed: int) -> list[tuple]:
-    """`count` continuations of one pre-query with the project's decode loop: (tokens, ended)."""
+    """`count` continuations of one pre-query with the project's decode loop: (tokens, ended).
+    The sampler is keyed by (seed, position): each copy of the row gets its own seed."""
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
+    sampler = Sampler(s.temperature, s.top_p)
     out: list[tuple] = []
     for c0 in range(0, count, _HF_BATCH):
-        gen = torch.Generator(device=target.device).manual_seed(seed * 1_000_003 + c0)
         n = min(_HF_BATCH, count - c0)
-        out += decode_batch(
-            target.model, [row] * n, s.max_tokens, stop, pad, s.temperature, s.top_p, gen
-        )
+        seeds = [hash32_int(seed * 1_000_003 + c0 + i) for i in range(n)]
+        out += decode_batch(target, [row] * n, s.max_tokens, sampler, seeds, pad, list(stop))
     return out
 
 

@@ -92,7 +92,9 @@ def comparison_engine(
         raise UserError(
             "eval.engine=vllm compares greedy decoding token by token; set --eval.temperature=0."
         )
-    engine, _ = engine_for_config(cfg, dtype, required="vLLM is needed here but cannot run")
+    engine, why = engine_for_config(cfg, dtype, required="vLLM is needed here but cannot run")
+    if engine is None:
+        raise UserError(f"eval.compare=vllm: {why}")
     return ServedLoop(engine, export_dir, stop)
 
 

@@ -8,19 +8,20 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval.dtype import drafter_in, dtype_label, model_dtype, target_in
+from dflash_trainer.eval.dtype import drafter_in, dtype_label, target_in
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.prompts import load_prompt_set, split_by_training, training_ids
-from dflash_trainer.eval.specdecode import Drafter, GenResult, decode_features, spec_generate
+from dflash_trainer.eval.specdecode import Drafter, GenResult, spec_generate
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
+from dflash_trainer.models.precision import module_dtype
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import showing_progress
 
@@ -73,7 +74,7 @@ def evaluate(
 ) -> EvalSummary:
     """Run spec decoding (and the AR baseline) over prompts (token id lists or [1,P] tensors).
 
-    `target` is a TargetModel or TargetSide. The spec and AR run of a prompt share a seed, so in
+    `target` is a TargetModel. The spec and AR run of a prompt share a seed, so in
     sampling mode they also produce comparable (identical, when lossless) outputs.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
     `verify`: the drafter runs' verify policy (spec_generate; "full" = the published loop).
@@ -88,7 +89,9 @@ def evaluate(
     spec, ar = [], []
     with (
         _eval_mode(target.model, drafter),
-        packed_linears(target.model, target.lm_head, drafter, enabled=packed),
+        packed_linears(
+            target.model, target.lm_head, cast(nn.Module | None, drafter), enabled=packed
+        ),
         showing_progress(len(prompts), desc="eval", unit="prompt", enabled=progress) as bar,
     ):
         if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out
@@ -149,7 +152,7 @@ def evaluate(
                 )
             bar.update(1)
         s = summarize(spec, ar or None, block_size)
-        s.decode_dtype = dtype_label(model_dtype(target.model))
+        s.decode_dtype = dtype_label(module_dtype(target.model))
         s.prompts = [_as_prompt(p, device)[0].tolist() for p in prompts]
         for p, a, b in zip(prompts, spec, ar):
             if a.tokens != b.tokens:
@@ -205,7 +208,10 @@ def run_conversations(
     if dtype is not None:
         target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
     tok = target.tokenizer
-    spec, ar, gaps, prompts = [], [], [], []
+    spec: list[GenResult] = []
+    ar: list[GenResult] = []
+    gaps: list[float] = []
+    prompts: list = []
     with (
         # packed once for all turns: the per-prompt evaluate calls inside find them packed
         packed_linears(target.model, target.lm_head, _unwrap(drafter), enabled=packed),
@@ -242,7 +248,7 @@ def run_conversations(
                 history.append({"role": "assistant", "content": text})
             bar.update(1)
     out = summarize(spec, ar, block_size)
-    out.decode_dtype = dtype_label(model_dtype(target.model))
+    out.decode_dtype = dtype_label(module_dtype(target.model))
     out.tie_gaps = gaps
     out.prompts = prompts
     return out
@@ -257,8 +263,8 @@ def load_eval_pair(cfg: Any, drafter_dir: Path, device: torch.device) -> tuple[A
         )
     target = TargetModel.load(cfg.target, device)
     if cfg.target.check_taps:  # wrong features would show only as a low tau
-        # through the hooks the decode loop taps with (not only the training capture)
-        target.check_taps(lambda ids: decode_features(target.model, target.layer_ids, ids))
+        # the hooks decoding taps with (one capture for training and decoding)
+        target.check_taps()
     drafter = load_drafter(drafter_dir, device)
     dc = drafter.config
     if list(dc.target_layer_ids) != list(target.layer_ids) or dc.hidden_size != target.hidden_size:

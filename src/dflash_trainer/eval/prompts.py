@@ -90,7 +90,8 @@ def training_ids(cfg: Any) -> tuple[set, set] | None:
 def split_by_training(convs, trained: tuple[set, set]) -> tuple[list, list]:
     """(prompts the run trained on, the rest), by conversation id or prompt hash."""
     ids, hashes = trained
-    seen, rest = [], []
+    seen: list = []
+    rest: list = []
     for cid, msgs in convs:
         (seen if cid in ids or prompt_hash(msgs) in hashes else rest).append((cid, msgs))
     return seen, rest

@@ -206,7 +206,7 @@ def parity_problems(
     engine on the same prompts; [] when they agree. Each line names a slot or a setting.
 
     `gap(i, a, b)`: the logit gap at the first position where generations a and b of prompt i
-    differ, under our target (specdecode.divergence_gap). Given, a divergence whose gap is at most
+    differ, under our target (evaluation.divergence_gap). Given, a divergence whose gap is at most
     SERVED_NEAR_TIE_LOGIT_GAP is a rounding near-tie between two engines' kernels, not a
     mismatch, and is not reported; without it every divergence is."""
 
@@ -272,7 +272,7 @@ def parity_problems(
 
 
 def logit_gap(target: Any, prompts: Sequence[Sequence[int]]) -> Callable[[int, Any, Any], float]:
-    """parity_problems' `gap`: specdecode.divergence_gap under `target` (a TargetModel)."""
+    """parity_problems' `gap`: evaluation.divergence_gap under `target` (a TargetModel)."""
     import torch
 
     device = next(target.model.parameters()).device

@@ -2,14 +2,14 @@
 verify passes.
 
 The held-out responses were written by the target itself (greedy), so along a response the
-draft-verify loop of eval/specdecode.py would see exactly these tokens: the target's greedy
+draft-verify loop of decode/loop.py would see exactly these tokens: the target's greedy
 choice at position p is the data token at p. Replaying the loop on the data gives the loop's
 acceptance with no target forward beyond one tapped pass over each held-out sequence (computed
 once, then cached):
 
     pos = P (the first response token: the prefill's output, slot 0 of the first block)
     each cycle: block [ids[pos], MASK x q-1], q = min(block_size, tokens left + 1), over the
-                context features < pos; drafts d_1..d_q-1 (argmax, as spec_generate drafts);
+                context features < pos; drafts d_1..d_q-1 (argmax, as the decode loop drafts);
                 a = leading k with d_k == ids[pos+k]; produced = min(a + 1, tokens left),
                 cut after a stop id among the produced tokens; pos += produced
 
@@ -31,9 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from dflash_trainer.eval.specdecode import decode_features
+from dflash_trainer.decode.draft import Drafter, accepted, commit, draft_block
+from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import showing_progress
 
 
@@ -55,9 +56,9 @@ def mean_tau(acceptance_lengths: Sequence[Sequence[int]]) -> float:
 
 @torch.no_grad()
 def simulate_response(
-    drafter,
+    drafter: Drafter,
     embed_weight: torch.Tensor,
-    lm_head,
+    lm_head: nn.Module,
     features: torch.Tensor,
     ids: Sequence[int],
     prompt_len: int,
@@ -66,15 +67,13 @@ def simulate_response(
     stop_ids: Sequence[int] = (),
 ) -> list[int]:
     """Tokens committed per cycle along one response. `features` [1, S, n*H] are the tapped
-    target features of `ids` (length S); `ids[prompt_len:]` is the response."""
+    target features of `ids` (length S); `ids[prompt_len:]` is the response. Each cycle is the
+    decode loop's draft-and-accept step (decode/draft.py) with the data as the target's
+    choices."""
     stop = set(int(s) for s in stop_ids)
     end = len(ids)
     if prompt_len >= end or max_new_tokens <= 0 or ids[prompt_len] in stop:
-        return []  # spec_generate: the prefill's token ends it, no cycle runs
-    mask_id = int(drafter.config.mask_token_id)
-    d_dtype = next(drafter.parameters()).dtype
-    h_dtype = next(lm_head.parameters()).dtype
-    device = features.device
+        return []  # the decode loop: the prefill's token ends it, no cycle runs
     cache = drafter.new_cache()
     pos, committed, out = prompt_len, 1, []
     while committed < max_new_tokens:
@@ -82,28 +81,18 @@ def simulate_response(
         q = min(block_size, remaining + 1)
         a = 0
         if q > 1:
-            block = torch.full((1, q), mask_id, dtype=torch.long, device=device)
-            block[0, 0] = int(ids[pos])
-            new_feats = features[:, cache.length : pos].to(d_dtype)
-            hidden = drafter.forward_infer(
-                F.embedding(block, embed_weight).to(d_dtype), new_feats, cache, pos
-            )
-            drafts = lm_head(hidden[:, 1:].to(h_dtype)).argmax(-1)[0].tolist()
-            while a < q - 1 and pos + 1 + a < end and drafts[a] == ids[pos + 1 + a]:
-                a += 1
+            last = torch.tensor([int(ids[pos])], device=features.device)
+            ctx = features[:, cache.length : pos]
+            block = draft_block(drafter, embed_weight, lm_head, last, pos, ctx, cache, q, q - 1)
+            a = accepted(block[0, 1:].tolist(), list(ids[pos + 1 : pos + q]))
         if pos + 1 + a >= end:  # the data end here: no label for the bonus token
             if min(a, remaining) > 0:
                 out.append(min(a, remaining))
             break
-        produced = min(a + 1, remaining)
-        stopped = False
-        for i, t in enumerate(ids[pos + 1 : pos + 1 + produced]):
-            if t in stop:
-                produced, stopped = i + 1, True
-                break
-        out.append(produced)
-        committed += produced
-        pos += produced
+        new, stopped = commit(list(ids[pos + 1 : pos + 2 + a]), remaining, stop)
+        out.append(len(new))
+        committed += len(new)
+        pos += len(new)
         if stopped:
             break
     return out
@@ -112,11 +101,11 @@ def simulate_response(
 class TauSim:
     """tau_sim over a fixed set of held-out sequences; target features computed once, cached.
 
-    `target`: the TargetModel / EvalTarget evaluation decodes with (its dtype is the features').
+    `target`: the TargetModel evaluation decodes with (its dtype is the features').
     `examples`: (key, full token ids, prompt length) per held-out response.
     """
 
-    def __init__(self, target, examples: Sequence[tuple[str, Sequence[int], int]]):
+    def __init__(self, target: TargetModel, examples: Sequence[tuple[str, Sequence[int], int]]):
         self.target = target
         self.examples = [(k, list(map(int, ids)), int(p)) for k, ids, p in examples]
         self._features: dict[str, torch.Tensor] = {}
@@ -124,11 +113,11 @@ class TauSim:
     def features(self, key: str, ids: list[int]) -> torch.Tensor:
         """[1, S, n*H] on the target's device. Cached in host memory on GPU (a long held-out
         set of a large target would not fit beside it), on the device otherwise."""
-        device = self.target.embed_weight.device
+        device = self.target.device
         f = self._features.get(key)
         if f is None:
             t = torch.tensor([ids], dtype=torch.long, device=device)
-            f = decode_features(self.target.model, self.target.layer_ids, t)
+            f = self.target.features(t)
             self._features[key] = f.cpu() if device.type == "cuda" else f
         return f.to(device, non_blocking=True)
 

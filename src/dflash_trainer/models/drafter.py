@@ -419,5 +419,11 @@ class DFlashDrafter(nn.Module):
             x = layer(x, rope_q, attend)
         return self.norm(x)
 
+    def propose(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """The draft tokens of a block's draft slots: hidden [k, H] -> [k] ids, each slot the
+        argmax of the target's LM head on its own (DFlash). The decoding seam for a drafter
+        variant that chooses a block's drafts another way (decode/draft.py)."""
+        return lm_head(hidden).argmax(-1)
+
     def config_dict(self) -> dict:
         return dataclasses.asdict(self.config)

@@ -116,3 +116,10 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 def use_autocast(precision: str, device: str | torch.device) -> bool:
     """pipeline.precision: bf16 autocast for the drafter? auto = where bf16 is native."""
     return precision == "bf16" or (precision == "auto" and native_bf16(device))
+
+
+def module_dtype(module: object, default: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype of a module's first parameter (`default` for a parameterless module or a
+    callable that is not a module)."""
+    p = next(iter(module.parameters()), None) if isinstance(module, torch.nn.Module) else None
+    return p.dtype if p is not None else default

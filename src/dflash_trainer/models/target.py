@@ -9,16 +9,18 @@ a private exception that ends the forward: later layers, the final norm and the 
 
 Hooks are installed once per model and read a thread-local capture slot, so two threads may share
 one `TargetModel`, and a plain `model(...)`/`model.generate(...)` call (no capture active) is not
-affected.
+affected. The same hooks serve training (`features`: stops after the last tap) and decoding
+(`forward`: through the LM head, with a KV cache); `cast` gives the copy evaluation decodes in.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import threading
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,14 +92,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     model.model.layers; else whatever `get_decoder().layers` names). Training and speculative
     decoding both tap these modules."""
     for path in ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers"):
-        obj = model
+        obj: Any = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
                 break
         if isinstance(obj, nn.ModuleList):
             return obj
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    hf: Any = model  # an HF PreTrainedModel; nn.Module's attribute typing does not know it
+    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, nn.ModuleList):
         return layers
@@ -106,30 +109,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         "`model.model.layers` (Llama/Qwen-style causal LM). This target "
         "architecture is not supported."
     )
-
-
-@contextmanager
-def tap_outputs(model: nn.Module, layer_ids):
-    """Capture the outputs of the given decoder layers for one forward (speculative decoding):
-    yields {layer id: output}. The hooks live only inside the block, so a target shared with
-    training is left untouched, and they ignore forwards run by other threads (a training
-    target worker may use the same model meanwhile)."""
-    captured: dict[int, torch.Tensor] = {}
-    layers = decoder_layers(model)
-    handles = []
-    me = threading.get_ident()
-    for i in layer_ids:
-
-        def hook(_mod, _inp, out, i=i):
-            if threading.get_ident() == me:
-                captured[i] = out[0] if isinstance(out, (tuple, list)) else out
-
-        handles.append(layers[i].register_forward_hook(hook))
-    try:
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -157,13 +136,12 @@ class TargetModel:
         self._layers = decoder_layers(model)
         self.num_layers = len(self._layers)
         self.layer_ids = validate_taps(list(layer_ids), self.num_layers)
+        hf: Any = model  # an HF PreTrainedModel; nn.Module's attribute typing does not know it
         text_cfg = (
-            model.config.get_text_config()
-            if hasattr(model.config, "get_text_config")
-            else model.config
+            hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
         )
         self.hidden_size = int(text_cfg.hidden_size)
-        emb = model.get_input_embeddings()
+        emb = hf.get_input_embeddings()
         self.embed_weight = emb.weight
         # The drafter embeds its blocks with the raw table (F.embedding(ids, embed_weight)) in
         # training, evaluation and every engine (no input_embedding_scale in the export); a
@@ -178,7 +156,7 @@ class TargetModel:
                 self.embed_scale,
             )
         self.vocab_size = int(self.embed_weight.shape[0])
-        self.lm_head = model.get_output_embeddings()
+        self.lm_head: nn.Module = hf.get_output_embeddings()
         self.eos_token_ids = _eos_ids(model, tokenizer)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -244,7 +222,7 @@ class TargetModel:
         attn = _attn_kwargs(target_cfg)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **common)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common, **attn)
+            model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common, **attn)
         except ImportError as e:  # a flash-attention kernel (or a remote code dependency)
             fix = (
                 f"install the package that target.attn_implementation={attn['attn_implementation']}"
@@ -329,7 +307,10 @@ class TargetModel:
             feats = self._end()
         if feats is None:
             raise RuntimeError("a tapped layer did not run; the model skipped a decoder layer")
-        return (feats, out.last_hidden_state) if final else feats
+        if not final:
+            return feats
+        assert out is not None  # final: the forward ran to its end
+        return feats, out.last_hidden_state
 
     def check_taps(
         self, features_fn=None, seq_len: int = 32, seed: int = 0, attention_mask=None
@@ -400,44 +381,52 @@ class TargetModel:
                 )
         return worst
 
-    def new_cache(self):
-        """An empty KV cache for `tapped_forward` (models/kv_cache.py)."""
-        return kv_cache.new_kv_cache(self.model)
-
-    def tapped_forward(
+    def forward(
         self,
-        input_ids: torch.Tensor,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
         *,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values=None,
+        taps: bool,
+        attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        use_cache: bool | None = None,
-    ):
-        """Full forward for speculative decoding -> (features [B,Q,n*H], logits, cache).
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoding forward through the LM head: ids [B, Q] at `positions` [B, Q], extending
+        the KV `cache` (models/kv_cache.py) -> (logits [B, Q or logits_to_keep, V], the tapped
+        features [B, Q, n*H] when `taps`, else None). The features come from the same hooks as
+        `features` (one tap mechanism); `attention_mask` [B, cached + Q] for left-padded rows."""
+        if taps:
+            self._begin(stop=False)
+        try:
+            with torch.no_grad():
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=attention_mask,
+                    position_ids=positions,
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                    **{self._cache_kw: cache},
+                )
+        finally:
+            feats = self._end() if taps else None
+        if taps and feats is None:
+            raise RuntimeError("a tapped layer did not run; the model skipped a decoder layer")
+        return out.logits, feats
 
-        Features come from the hooks (no output_hidden_states). `logits_to_keep=0` keeps logits
-        for every position, k > 0 only for the last k. The KV cache is used and extended when
-        `past_key_values` is given (create one with `new_cache()`), or when use_cache=True.
-        """
-        if use_cache is None:
-            use_cache = past_key_values is not None
-        kwargs = {self._cache_kw: past_key_values}
-        # the decode loop's capture (tap_outputs), not the training hooks
-        with torch.no_grad(), tap_outputs(self.model, self.layer_ids) as caps:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            )
-        feats = torch.cat([caps[i] for i in self.layer_ids], dim=-1)
-        cache = getattr(out, "cache", None)
-        if cache is None:
-            cache = getattr(out, "past_key_values", None)
-        return feats, out.logits, cache
+    def cast(self, dtype: torch.dtype) -> TargetModel:
+        """This target computing in `dtype` (evaluation's eval.dtype): itself when it already
+        does, else a TargetModel on a cast copy of the model (the training target is never
+        changed in place). Tokenizer, taps, name and stop ids are shared."""
+        if self.dtype == dtype:
+            return self
+        model = copy.deepcopy(self.model)
+        # the copy carries this target's hooks (deepcopy copies hook dicts): drop them, the
+        # copy's own TargetModel installs its own
+        for lid, h in zip(self.layer_ids, self._hooks):
+            decoder_layers(model)[lid]._forward_hooks.pop(h.id, None)
+        out = TargetModel(model.to(dtype), self.tokenizer, self.layer_ids, self.name)
+        out.eos_token_ids = list(self.eos_token_ids)
+        return out
 
     def close(self) -> None:
         """Remove the hooks (the HF model is then back to its original behaviour)."""
