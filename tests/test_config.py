@@ -239,6 +239,18 @@ PINNED_KEYS = {
         "parity_tolerance",
         "vllm_python",
     ],
+    "generate": [
+        "prompts",
+        "out",
+        "limit",
+        "max_new_tokens",
+        "batch_size",
+        "temperature",
+        "top_p",
+        "engine",
+    ],
+    "export": ["source", "out", "dtype"],
+    "bench": ["quick", "only"],
 }
 
 
@@ -270,3 +282,27 @@ def get_value(cfg, key):
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+@pytest.mark.parametrize(
+    "argv,flag,key",
+    [
+        (["generate", "--max-new-tokens", "4"], "--max-new-tokens", "generate.max_new_tokens"),
+        (["generate", "--output=x.jsonl"], "--output", "generate.out"),
+        (["export", "ckpt", "--out", "x"], "--out", "export.out"),
+        (["bench", "--only", "bench_kd.py"], "--only", "bench.only"),
+    ],
+)
+def test_a_command_flag_that_became_a_config_key_names_it(capsys, argv, flag, key):
+    """generate/export/bench settings are config sections; their old flags name the key."""
+    assert main(argv) == 2
+    assert f"'{flag}' of `{argv[0]}` is now the config key '--{key}'" in capsys.readouterr().err
+
+
+def test_the_export_positional_is_export_source():
+    from dflash_trainer.cli import build_parser, config_overrides
+
+    args, rest = build_parser().parse_known_args(["export", "ck", "--export.out=o"])
+    assert config_overrides(args, rest) == ["--export.source=ck", "--export.out=o"]
+    cfg = load_config(None, None, config_overrides(args, rest))
+    assert (cfg.export.source, cfg.export.out) == ("ck", "o")

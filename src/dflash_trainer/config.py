@@ -550,6 +550,70 @@ class EvalConfig:
     )
 
 
+# The settings of the command-specific sections below are read only by their command
+# (`generate`, `export`, `bench`), except generate's generation settings: they also decide the
+# embedded data set's responses (data/generate.py), and are part of its cache key.
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateConfig:
+    prompts: str = _f(
+        "embedded",
+        "`generate`: the prompts to answer: embedded (MT-Bench + HumanEval) or a conversation "
+        "file (data.format records) whose assistant turns are regenerated",
+    )
+    out: str = _f(
+        "", "`generate`: output JSONL, appended, resumable ('' = RUN_DIR/generated.jsonl)"
+    )
+    limit: int = _f(0, "`generate`: only the first N prompts (0 = all)", unit="prompts", min=0)
+    # Sized for the CPU demo's embedded data set (most answers end before 192 tokens). Batch 64:
+    # with the KV cache written in place (models/kv_cache.py) a step's cost is mostly reading
+    # the weights, so more rows per step pay: on a 2-core EPYC, 64 middle-length prompts ran
+    # 1.15-1.32x faster at batch 64 than at 32, while on 128 prompts batch 128 ran at 0.82x of
+    # batch 64 (padding, attention). The batch size is part of the embedded cache key: batched
+    # float math can flip a rare argmax tie.
+    max_new_tokens: int = _f(
+        192,
+        "tokens per response (of `generate` and of the embedded data set)",
+        unit="tokens",
+        min=1,
+    )
+    batch_size: int = _f(64, "prompts decoded together (left padded)", unit="prompts", min=1)
+    temperature: float = _f(0.0, "0 = greedy; > 0 samples with top_p", min=0.0)
+    top_p: float = _f(1.0, "nucleus sampling mass when temperature > 0", min=0.01, max=1.0)
+    engine: str = _f(
+        "auto",
+        "hf = the project's batched decode loop; vllm = vLLM's offline engine (its own venv: "
+        "make vllm; eval.vllm_python), its sampling parameters recorded in each record's "
+        "provenance; auto = vllm where installed (bf16/fp16 targets, jobs of >= 2048 prompts x "
+        "tokens), else hf",
+        choices=("auto", "hf", "vllm"),
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    source: str = _f(
+        "",
+        "`export`: a checkpoint (RUN_DIR/checkpoints/step-N), a run directory (its latest "
+        "checkpoint) or an export directory ('' = run_dir); also the positional CHECKPOINT_DIR",
+    )
+    out: str = _f("", "`export`: the output directory, new or an earlier export (required)")
+    dtype: str = _f(
+        "bfloat16",
+        "`export`: weights dtype (bfloat16 runs in every engine; as_stored = the source's dtype)",
+        choices=("bfloat16", "float32", "float16", "as_stored"),
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    quick: bool = _f(False, "`bench`: fewer repeats")
+    only: list[str] = _f(
+        [], "`bench`: run only these bench/ scripts ([] = all); the other rows are kept"
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class Config:
     run_dir: str = _f(
@@ -571,6 +635,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 # Keys that were renamed: old key -> new key. Reading an old key is an error that names the new

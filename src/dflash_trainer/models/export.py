@@ -37,7 +37,7 @@ EXPORT_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 def export_dtype(name: str) -> torch.dtype | None:
-    """checkpoint.export_dtype / `export --dtype` as a torch dtype (None: as trained)."""
+    """checkpoint.export_dtype / `export.dtype` as a torch dtype (None: as trained)."""
     if name in ("", "as_trained"):
         return None
     if name not in EXPORT_DTYPES:

@@ -151,8 +151,9 @@ def require_sources(cfg: Config) -> None:
     if not cfg.data.sources:
         raise UserError(
             "no training data: data.sources is empty (the qwen3-8b preset names none on purpose). "
-            "Answer your prompts with the target first (dflash-trainer generate --prompts "
-            "PROMPTS.jsonl --output ANSWERS.jsonl, same --preset), then pass "
+            "Answer your prompts with the target first (dflash-trainer generate "
+            "--generate.prompts=PROMPTS.jsonl --generate.out=ANSWERS.jsonl, same --preset), "
+            "then pass "
             "--data.sources=ANSWERS.jsonl (a list: a.jsonl,b.jsonl@2; JSONL/JSON/Parquet or a "
             "saved HF dataset dir; 'embedded' = the built-in MT-Bench + HumanEval prompts)."
         )
