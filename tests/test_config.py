@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from dflash_trainer.cli import main
@@ -99,7 +101,7 @@ def test_cli_config_show_and_errors(capsys):
 # Every config key, by section. A rename or a removal changes this table on purpose: keep the old
 # key in config.RENAMED (an error that names the new one) and update presets, README and docs.
 PINNED_KEYS = {
-    "": ["run_dir", "overwrite"],
+    "": ["run_dir", "overwrite", "seed"],
     "data": [
         "sources",
         "on_bad_record",
@@ -189,7 +191,6 @@ PINNED_KEYS = {
         "poll_s",
         "shutdown_deadline_s",
         "stall_timeout_s",
-        "seed",
         "precision",
         "fault",
         "collective_timeout_s",
@@ -220,7 +221,8 @@ PINNED_KEYS = {
     "eval": [
         "every_steps",
         "at_end",
-        "num_prompts",
+        "periodic_prompts",
+        "dataset_prompts",
         "validation_fraction",
         "validation_prompts",
         "dtype",
@@ -264,17 +266,23 @@ def test_the_set_of_config_keys_is_pinned():
 
 @pytest.mark.parametrize("old,new", sorted(RENAMED.items()))
 def test_a_renamed_key_is_an_error_that_names_the_new_one(tmp_path, old, new):
-    assert new in all_keys() and old not in all_keys()
-    with pytest.raises(ConfigError, match=f"'--{old}'.*renamed to '--{new}'"):
+    """A key with two meanings became two keys (a tuple): the error names both, and a saved
+    value goes to both."""
+    news = (new,) if isinstance(new, str) else new
+    assert all(n in all_keys() for n in news) and old not in all_keys()
+    both = " and ".join(f"'--{n}'" for n in news)
+    with pytest.raises(
+        ConfigError, match=re.escape(f"'--{old}'") + ".*renamed to " + re.escape(both)
+    ):
         load_config(None, None, [f"--{old}=1"])
     section, _, name = old.rpartition(".")
     toml = tmp_path / "old.toml"
     toml.write_text(f"[{section}]\n{name} = 1\n")
-    with pytest.raises(ConfigError, match=f"'{old}'.*renamed to '{new}'"):
+    with pytest.raises(ConfigError, match=f"'{old}'.*renamed to '{news[0]}'"):
         load_config(None, str(toml))
     # a config saved by an older version (an export's training.json) reads under the new name
     cfg = load_config(None, None, [], base={section: {name: 2}})
-    assert get_value(cfg, new) == 2
+    assert all(get_value(cfg, n) == 2 for n in news)
 
 
 def get_value(cfg, key):

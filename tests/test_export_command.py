@@ -106,7 +106,7 @@ def test_eval_on_an_export_needs_no_preset(trained, model_dir, tmp_path, capsys)
             str(result),
             f"--eval.datasets=[{prompts}]",
             "--eval.max_new_tokens=6",
-            "--eval.num_prompts=1",
+            "--eval.dataset_prompts=1",
         ]
     )
     assert rc == 0, capsys.readouterr().err

@@ -187,7 +187,7 @@ def _train(family_dir, tmp_path, init):
             "--batching.max_tokens=256",
             "--optim.max_steps=3",
             "--pipeline.feature_cache_gb=0",
-            "--eval.num_prompts=1",
+            "--eval.periodic_prompts=1",
             "--eval.max_new_tokens=8",
             *COMMON,
         ]

@@ -160,7 +160,7 @@ def test_periodic_eval_keeps_the_best_drafter(tmp_path):
         tmp_path,
         **{
             "eval.every_steps": 10,
-            "eval.num_prompts": 2,
+            "eval.periodic_prompts": 2,
             "eval.max_new_tokens": 8,
             "optim.epochs": 3,
         },

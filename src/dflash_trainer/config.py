@@ -70,7 +70,7 @@ class DataConfig:
     eval_fraction: float = _f(
         0.1,
         "share of conversations held out for evaluation, per source (MT-Bench and HumanEval for "
-        "the embedded data, each file otherwise), chosen with pipeline.seed",
+        "the embedded data, each file otherwise), chosen with seed",
         min=0.0,
         max=0.9,
     )
@@ -359,7 +359,6 @@ class PipelineConfig:
     stall_timeout_s: float = _f(
         0.0, "abort when a stage makes no progress this long (0 = off)", unit="s", min=0.0
     )
-    seed: int = _f(0, "seed of anchors, init and everything random")
     precision: str = _f(
         "auto",
         "drafter compute: auto = bf16 autocast where bf16 matmuls are native (CUDA, CPUs with "
@@ -464,11 +463,18 @@ class EvalConfig:
         "at the end of a run, decode every reported held-out prompt (not the validation ones): "
         "tau per source and overall, and eval/tau_sim beside it",
     )
-    num_prompts: int = _f(
+    periodic_prompts: int = _f(
         16,
-        "validation prompts per periodic evaluation (a fixed seeded subset, stratified by source, "
-        "chosen once); in the eval command, the prompts per named dataset (heldout is decoded "
-        "whole)",
+        "validation prompts per periodic evaluation (eval.every_steps): a fixed seeded subset, "
+        "stratified by source, chosen once",
+        unit="prompts",
+        min=1,
+    )
+    dataset_prompts: int = _f(
+        16,
+        "`eval` command: prompts decoded from each named eval.datasets entry (mt-bench, "
+        "humaneval, a file: its first N; heldout is decoded whole)",
+        unit="prompts",
         min=1,
     )
     validation_fraction: float = _f(
@@ -626,6 +632,13 @@ class Config:
         "a new run into a run_dir that holds an earlier run first moves that run aside to "
         "RUN_DIR.old-<timestamp> (nothing is deleted); also --overwrite",
     )
+    seed: int = _f(
+        0,
+        "seed of the training run's randomness: the drafter's random init, the anchors sampled "
+        "per step, the held-out/validation split, the periodic-evaluation subset, and "
+        "generate's sampling (temperature > 0); the batch order has batching.seed, evaluation's "
+        "sampling eval.seed",
+    )
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -642,8 +655,12 @@ class Config:
 
 # Keys that were renamed: old key -> new key. Reading an old key is an error that names the new
 # one (config_io.set_value and the flag parser), so a preset or script is fixed, not ignored.
-RENAMED = {
+# A key whose two meanings became two keys maps to both (the error names both; a saved config's
+# value goes to both).
+RENAMED: dict[str, str | tuple[str, ...]] = {
     "pipeline.timeout_s": "pipeline.poll_s",
+    "pipeline.seed": "seed",
+    "eval.num_prompts": ("eval.periodic_prompts", "eval.dataset_prompts"),
 }
 
 

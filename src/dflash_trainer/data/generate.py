@@ -436,7 +436,7 @@ def embedded_responses_path(cfg) -> Path:
         # the dtype the answers are computed in ('auto' differs between machines)
         "dtype": dtype_name(cfg.target.dtype, cfg.pipeline.target_devices[0]),
         "thinking": cfg.target.enable_thinking,
-        "seed": cfg.pipeline.seed,
+        "seed": cfg.seed,
         **gen_settings(cfg),
         **Rendering.from_config(cfg).identity(),
     }
@@ -515,7 +515,7 @@ def generate_with(cfg, target, prompts, out) -> dict:
     how = dict(
         gen_settings(cfg),
         rendering=Rendering.from_config(cfg),
-        seed=cfg.pipeline.seed,
+        seed=cfg.seed,
         progress=cfg.metrics.console,
     )
     engine, vllm = choose_engine(cfg, choice, len(prompts) * cfg.generate.max_new_tokens)

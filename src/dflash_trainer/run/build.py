@@ -125,7 +125,7 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
     if cfg.drafter.init_from:
         return warm_start(cfg.drafter.init_from, cfg.drafter, target).to(device)
     dcfg = DFlashConfig.from_configs(cfg.drafter, target)
-    torch.manual_seed(cfg.pipeline.seed)
+    torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg)
     if cfg.drafter.init == "target":
         try:
@@ -254,7 +254,7 @@ def build_run(
     run_dir = Path(cfg.run_dir)
     resume_from = claim_run_dir(cfg, rank)
     run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.pipeline.seed)
+    torch.manual_seed(cfg.seed)
     p = cfg.pipeline
     device = torch.device(p.drafter_device)
     target, train_set, heldout = load_inputs(cfg, target, train_set, heldout)
@@ -269,7 +269,7 @@ def build_run(
     plan = None
     if cfg.checkpoint.resume or resume_from is not None:
         plan = ckpt.plan_resume(
-            run_dir, rank=rank, world_size=world_size, seed=p.seed, checkpoint=resume_from
+            run_dir, rank=rank, world_size=world_size, seed=cfg.seed, checkpoint=resume_from
         )
     total_steps = plan_total_steps(cfg, train_set.lengths, plan, rank, world_size)
     lr_segments = ckpt.lr_segments(plan, total_steps)
@@ -277,7 +277,7 @@ def build_run(
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments, budget)
     optim_step = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, device)
     generator = torch.Generator(device=device)
-    generator.manual_seed(p.seed * 1000003 + rank)
+    generator.manual_seed(cfg.seed * 1000003 + rank)
     config_dict = to_dict(cfg)
     state = TrainState(consumed=[])
     if plan is not None:
