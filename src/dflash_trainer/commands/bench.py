@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from dflash_trainer.bench_harness import ADAPTERS, find_bench_dir, machine, run_all, to_markdown
+from dflash_trainer.bench_harness import SCRIPTS, find_bench_dir, machine, run_all, to_markdown
 from dflash_trainer.config import Config
 
 
@@ -22,7 +22,7 @@ def run(cfg: Config, args) -> int:
     if only and prev.is_file():
         kept = [r for r in json.loads(prev.read_text())["rows"] if r.get("script") not in only]
     rows: list[dict] = []
-    for script in ADAPTERS:
+    for script in SCRIPTS:
         if only and script not in only:
             continue
         rows.extend(run_all(bdir, quick=cfg.bench.quick, only=[script]))
