@@ -93,3 +93,17 @@ class Objective(Protocol):
         generator: torch.Generator | None = None,
         target_hidden: torch.Tensor | None = None,
     ) -> StepOutput: ...
+
+
+class StepHooks(Protocol):
+    """What the drafter's step loop runs between optimizer steps (run/hooks.py RunHooks)."""
+
+    votes: bool  # torchrun: stop_vote is a collective every rank runs after every step
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step `step`: periodic checkpoint and evaluation."""
+        ...
+
+    def stop_vote(self) -> bool:
+        """True = every rank stops after this step (called only where `votes`)."""
+        ...

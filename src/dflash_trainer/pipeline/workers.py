@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -19,7 +18,7 @@ from dflash_trainer.checkpoint import TrainState
 from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.pipeline.cores import CoreShare
 from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkItem
-from dflash_trainer.pipeline.protocols import DrafterStepFn, TargetStepFn
+from dflash_trainer.pipeline.protocols import DrafterStepFn, StepHooks, TargetStepFn
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.stage import Stage
 from dflash_trainer.train.budget import TimeBudget
@@ -124,12 +123,14 @@ class TargetWorker(Stage):
 class StepLoop:
     """The drafter side of the step loop, shared by the drafter worker and the sequential
     worker: runs the step function on each HiddenBatch and keeps the training position (for
-    exact resume), the sample ledger, and the between-steps hooks (run by the thread that owns
+    exact resume), the sample ledger, and runs the between-steps hooks (on the thread that owns
     the drafter).
 
-    `on_step_end(step)`: after every optimizer step (periodic checkpoint / eval), or None.
-    `stop_vote()`: torchrun only, a collective run after every optimizer step on every rank (all
-    ranks stop after the same step); True = stop now. None in a single process.
+    `hooks` (protocols.StepHooks, or None): `on_step_end(step)` after every optimizer step
+    (periodic checkpoint / eval); where `hooks.votes` (torchrun), `stop_vote()`, a collective
+    every rank runs after every optimizer step (all ranks stop after the same step).
+    `ledger`: the list the (epoch, sample ids) of each batch are appended to; the checkpoint
+    takes them (shared with the hooks).
     `budget`: a train.budget.TimeBudget (optim.time_budget_s), started at the first step; the
     loop ends after the step that spends it (under torchrun the stop vote carries it instead).
     """
@@ -140,8 +141,8 @@ class StepLoop:
         step_fn: DrafterStepFn,
         state: TrainState,
         max_steps: int,
-        on_step_end: Callable[[int], None] | None = None,
-        stop_vote: Callable[[], bool] | None = None,
+        hooks: StepHooks | None = None,
+        ledger: list[tuple[int, list[int]]] | None = None,
         queries_per_row: int = 0,
         budget: TimeBudget | None = None,
     ):
@@ -149,10 +150,11 @@ class StepLoop:
         self.budget = budget
         self.state = state
         self.max_steps = max_steps
-        self.on_step_end = on_step_end
-        self.stop_vote = stop_vote
+        self.hooks = hooks
+        self.votes = hooks is not None and hooks.votes
         self.stopped_by_vote = False
-        self.ledger: list[tuple[int, list[int]]] = []  # (epoch, sample ids) since last drain
+        # (epoch, sample ids) since the last checkpoint took them
+        self.ledger: list[tuple[int, list[int]]] = [] if ledger is None else ledger
         self.queries_per_row = queries_per_row  # anchors x block size (drafter FLOP counting)
 
     def consume(self, hb: HiddenBatch, counters: WorkerCounters) -> bool:
@@ -180,14 +182,14 @@ class StepLoop:
         if stepped:
             self.state.step += 1
             counters.steps += 1
-            if self.on_step_end is not None:
-                self.on_step_end(self.state.step)
-            if self.stop_vote is not None and self.stop_vote():
+            if self.hooks is not None:
+                self.hooks.on_step_end(self.state.step)
+            if self.votes and self.hooks is not None and self.hooks.stop_vote():
                 self.stopped_by_vote = True
                 counters.beat()
                 return False
         counters.beat()
-        if stepped and self.stop_vote is None and self.budget is not None and self.budget.spent():
+        if stepped and not self.votes and self.budget is not None and self.budget.spent():
             return False
         return not (self.max_steps and self.state.step >= self.max_steps)
 
