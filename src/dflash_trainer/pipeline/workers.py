@@ -16,11 +16,12 @@ import torch
 
 from dflash_trainer.checkpoint import TrainState
 from dflash_trainer.observe.counters import WorkerCounters
-from dflash_trainer.pipeline.cores import CoreShare
+from dflash_trainer.pipeline.cores import CoreShare, DrafterTeam
 from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkItem
 from dflash_trainer.pipeline.protocols import DrafterStepFn, StepHooks, TargetStepFn
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.stage import Stage
+from dflash_trainer.pipeline.steps import StepMeter
 from dflash_trainer.train.budget import TimeBudget
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class TargetWorker(Stage):
 
     def _loop(self) -> None:
         c = self.counters
+        c.gpu_timer = self.step_fn.timer
+        meter = StepMeter(c)
         for item in self.items(self.work_q):
             assert isinstance(item, WorkItem), type(item)
             if self.cores is not None:
@@ -104,7 +107,8 @@ class TargetWorker(Stage):
             c.begin_busy(t1)
             # (the lock: the eval loop borrows the target between steps)
             with self.lock, self.guard("target", item.batch.input_ids.shape, c.steps):
-                hb = self.step_fn(item, c)
+                meter.start()
+                hb = self.step_fn(item, meter)
             t2 = time.perf_counter_ns()
             c.end_busy(t2)
             if self.cores is not None:  # thread-ns, borrowed cores included
@@ -145,8 +149,10 @@ class StepLoop:
         ledger: list[tuple[int, list[int]]] | None = None,
         queries_per_row: int = 0,
         budget: TimeBudget | None = None,
+        team: DrafterTeam | None = None,
     ):
         self.step_fn = step_fn
+        self.team = team  # CPU pipelines with share_cores: the drafter's OpenMP team per step
         self.budget = budget
         self.state = state
         self.max_steps = max_steps
@@ -165,9 +171,17 @@ class StepLoop:
             self.state.consumed_samples = []
         if self.budget is not None:
             self.budget.start()
-        counters.begin_busy(time.perf_counter_ns())
-        stepped = self.step_fn(hb, self.state.step, counters)
-        counters.end_busy(time.perf_counter_ns())
+        if counters.gpu_timer is None:
+            counters.gpu_timer = self.step_fn.timer
+        if self.team is not None:
+            self.team.before(hb.from_cache, counters)
+        t0 = time.perf_counter_ns()
+        counters.begin_busy(t0)
+        stepped = self.step_fn(hb, self.state.step, StepMeter(counters))
+        t1 = time.perf_counter_ns()
+        counters.end_busy(t1)
+        if self.team is not None:  # the token count is a shape: no device read
+            self.team.after(t1 - t0, hb.input_ids.numel(), hb.from_cache)
         self.state.consumed.append(hb.seq_no)
         self.state.micro_step += 1
         self.state.tokens += hb.num_real_tokens
@@ -258,7 +272,7 @@ class SequentialWorker(Stage):
         for item in self.items(self.work_q):
             shape = item.batch.input_ids.shape
             with self.lock, self.guard("target", shape, c.steps):
-                hb = self.target_step(item, None)
+                hb = self.target_step(item)
             with self.guard("drafter", shape, c.steps):
                 more = self.step_loop.consume(hb, c)
             if not more:

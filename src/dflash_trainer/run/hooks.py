@@ -48,7 +48,7 @@ class CheckpointLogged:
     """A written checkpoint's step as an event in the run's metrics (writer thread). The
     monitor is built after the writer: it is attached here once it exists."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.mon: Any = None
 
     def __call__(self, path: Path, snap: CheckpointSnapshot) -> None:
@@ -71,7 +71,7 @@ def _postfix(snap: dict) -> str:
 class SteadyRate:
     """Tokens/s between the first and the latest optimizer step (TrainResult.steady_tok_s)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.first: tuple[float, int] | None = None  # (time s, tokens so far)
         self.last: tuple[float, int] | None = None
 

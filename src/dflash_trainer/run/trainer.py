@@ -41,6 +41,7 @@ from dflash_trainer.observe.progress import console_above_bar
 from dflash_trainer.observe.ranks import MergingSink, merge_snapshots
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.observe.sinks import build_sinks
+from dflash_trainer.pipeline.cores import DrafterTeam
 from dflash_trainer.pipeline.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
@@ -337,7 +338,7 @@ class Trainer:
                 )
             )
         if self.cores is not None:
-            self.drafter_step.share_cores(self.cores, d_threads)
+            self.loop.team = DrafterTeam(self.cores, d_threads)
         self.threads.append(
             DrafterWorker(
                 "drafter0",
