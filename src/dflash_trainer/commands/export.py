@@ -17,11 +17,11 @@ from dflash_trainer.models.export import (
     TRAINING_NAME,
     WEIGHTS_NAME,
     export_drafter,
+    export_dtype,
     load_drafter,
     read_training,
     training_record,
 )
-from dflash_trainer.models.precision import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def export(source, out, dtype: str = "bfloat16") -> tuple[Path, dict | None]:
     out = Path(out)
     _check_out(out, src)
     drafter = load_drafter(src)  # validates names, shapes and finiteness
-    export_drafter(drafter, out, DTYPES.get(dtype), training=rec)  # as_stored/"": unchanged
+    export_drafter(drafter, out, export_dtype(dtype), training=rec)  # as_stored: unchanged
     return out, rec
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, targe
 from dflash_trainer.eval.metrics import summarize
 from dflash_trainer.eval.specdecode import evaluate
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
+from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import export_drafter, export_dtype
 
 log = logging.getLogger(__name__)
@@ -208,9 +207,7 @@ class PeriodicEval:
             (tmp / "eval.json").write_text(
                 json.dumps({"step": step, "tau": tau, "prompt_set": VALIDATION})
             )
-            if (self.run_dir / "best").exists():
-                shutil.rmtree(self.run_dir / "best")
-            os.replace(tmp, self.run_dir / "best")
+            replace_dir(tmp, self.run_dir / "best")
             rec["eval/best_tau"] = self.best
         return rec
 

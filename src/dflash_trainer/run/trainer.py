@@ -27,7 +27,6 @@ from dflash_trainer.checkpoint import (
 from dflash_trainer.config import Config
 from dflash_trainer.eval.dtype import drafter_in, dtype_label
 from dflash_trainer.eval.served import parity_gate
-from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import (
     export_drafter,
     export_dtype,
@@ -481,13 +480,10 @@ class Trainer:
     def _export_final(self) -> Path | None:
         if self.rank != 0:
             return None
-        export_dir = self.run_dir / "export"
-        tmp = self.run_dir / "export.tmp"
         record = training_record(self.parts.config_dict, step=self.loop.state.step)
         dtype = export_dtype(self.cfg.checkpoint.export_dtype)
-        export_drafter(self.parts.drafter, tmp, dtype, training=record)
-        replace_dir(tmp, export_dir)
-        return export_dir
+        # export_drafter replaces the directory atomically itself
+        return export_drafter(self.parts.drafter, self.run_dir / "export", dtype, training=record)
 
     def run(self) -> TrainResult:
         merged: dict = {}
