@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+from dflash_trainer import bench_harness
+
 FULL = dict(
     hidden=576,
     layers=2,
@@ -32,6 +34,7 @@ FULL = dict(
     taps=5,
     batch=1,
 )
+
 QUICK = dict(FULL, seq=512, anchors=128)
 
 
@@ -171,6 +174,31 @@ def main() -> None:
         f"({summary['rss_ratio_dense_over_split']:.2f}x less total peak RSS)"
     )
     print(json.dumps(summary))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": ["--quick"]}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    return [
+        bench_harness.row(
+            "drafter train step (fwd+bwd), time",
+            "split",
+            "dense",
+            s["speedup_split_vs_dense"],
+            note="speedup of split over dense",
+        ),
+        bench_harness.row(
+            "drafter train step, peak step memory",
+            "dense",
+            "split",
+            s["step_mem_ratio_dense_over_split"],
+            note="dense / split",
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from dflash_trainer import bench_harness
 from dflash_trainer.config import BatchingConfig
 from dflash_trainer.data.batching import (
     assign_buckets,
@@ -74,6 +75,39 @@ def main() -> None:
     for budget, name, n, eff, ent in rows:
         print(f"{budget:>10} {name:<12} {n:>8} {eff:>12.4f} {ent:>15.4f}")
     print(json.dumps({"bench": "batching", **result}))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": []}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    out = []
+    for budget in sorted({k.split("@")[1] for k in s if "@" in k}, key=int):
+        ours = s[f"ours@{budget}"]
+        for base in ("random_bs8", "random_bs1"):
+            b = s[f"{base}@{budget}"]
+            out.append(
+                bench_harness.row(
+                    f"padding efficiency, max_tokens {budget}",
+                    "ours",
+                    base,
+                    ours["padding_eff"] / b["padding_eff"],
+                    note=f"ours {ours['padding_eff']:.3f}, {base} {b['padding_eff']:.3f}",
+                )
+            )
+            out.append(
+                bench_harness.row(
+                    f"bucket entropy (window 64), max_tokens {budget}",
+                    "ours",
+                    base,
+                    ours["bucket_entropy"] / b["bucket_entropy"],
+                    note=f"ours {ours['bucket_entropy']:.3f}, {base} {b['bucket_entropy']:.3f}",
+                )
+            )
+    return out
 
 
 if __name__ == "__main__":

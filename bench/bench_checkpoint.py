@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from dflash_trainer import bench_harness
 from dflash_trainer.checkpoint import (
     AsyncCheckpointWriter,
     TrainState,  # noqa: E402
@@ -72,6 +73,25 @@ def main() -> None:
         "stall"
     )
     print(json.dumps(res))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": ["--params-m", "25"]}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    return [
+        bench_harness.row(
+            "training stall per checkpoint",
+            "synchronous write",
+            "background write",
+            s["stall_ratio_sync_over_async"],
+            note=f"{s['bytes_gb']:.2f} GB: {s['sync_stall_s']:.2f} s vs "
+            f"{s['async_stall_s']:.2f} s blocked",
+        )
+    ]
 
 
 if __name__ == "__main__":

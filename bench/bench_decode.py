@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
 from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
@@ -273,6 +274,51 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     tdir.cleanup()
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": []}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    kernels = f"; ours on {s.get('kernels', 'default')} linear kernels"
+    out = [
+        bench_harness.row(
+            "draft-verify decode (tokens/s)",
+            "ours",
+            "reference dflash_generate",
+            s["spec_vs_reference"],
+            note=f"identical tokens {s['identical_spec']}{kernels}",
+        ),
+        bench_harness.row(
+            "greedy decode (tokens/s)",
+            "ours",
+            "HF generate",
+            s["ar_vs_hf_generate"],
+            note=f"identical tokens {s['identical_ar']}{kernels}",
+        ),
+        bench_harness.row(
+            "draft-verify cycle",
+            "cycle",
+            "greedy step",
+            s["cycle_over_greedy_step"],
+            note=f"{s['cycle_ms']:.0f} ms = drafter {s['cycle_draft_ms']:.0f} + verify "
+            f"{s['cycle_verify_ms']:.0f} + rest",
+        ),
+    ]
+    for how, v in s["speedup_at_oracle"].items():
+        out.append(
+            bench_harness.row(
+                f"speedup at {v['tokens_per_cycle']:.2f} tokens per cycle",
+                f"{how} verify",
+                "greedy",
+                v["speedup"],
+                note=f"cycle {v['cycle_ms']:.0f} ms, greedy step {v['greedy_step_ms']:.0f} ms",
+            )
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
 from dflash_trainer.models.precision import cpu_has_native_bf16, cpu_kind, dtype_name
 from dflash_trainer.models.target import TargetModel
@@ -67,6 +68,25 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     print(json.dumps(out))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": ["--repeats", "2"]}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    return [
+        bench_harness.row(
+            "tapped target forward (4 x 512), embedded target",
+            "bf16",
+            "fp32",
+            s["bf16_vs_fp32"],
+            note=f"{s['bf16_tok_s']} vs {s['fp32_tok_s']} tok/s; native bf16 "
+            f"{s['native_bf16']}: dtype=auto picks {s['auto_picks']}",
+        )
+    ]
 
 
 if __name__ == "__main__":

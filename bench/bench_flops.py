@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
 from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
@@ -104,6 +105,25 @@ def main():
     print(
         json.dumps({"bench": "flops", "threads": a.threads, "batch": B, "seq": S, "stages": stages})
     )
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": []}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    return [
+        bench_harness.row(
+            f"{k} achieved FLOP/s",
+            k,
+            f"measured {v['dtype']} matmul peak",
+            v["achieved_tflops"] / v["peak_tflops"],
+            note=f"{v['achieved_tflops'] * 1e3:.1f} of {v['peak_tflops'] * 1e3:.1f} GFLOP/s",
+        )
+        for k, v in s["stages"].items()
+    ]
 
 
 if __name__ == "__main__":

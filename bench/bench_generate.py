@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
 from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering, prompt_messages
@@ -169,6 +170,57 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     print(json.dumps(out))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {
+    "full": ["--prompts", "16", "--max-new-tokens", "48"],
+    "quick": ["--prompts", "8", "--max-new-tokens", "32"],
+}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    note = (
+        f"{s['tok_s']['ours']} vs {s['tok_s']['hf_generate']} (HF generate) vs "
+        f"{s['tok_s']['one_at_a_time']} (one at a time) tok/s; {s['prompts']} prompts x <= "
+        f"{s['max_new_tokens']} tokens, batch {s['batch_size']}"
+    )
+    out = [
+        bench_harness.row(
+            "answer generation, embedded target",
+            "ours",
+            "one at a time",
+            s["ours_vs_one_at_a_time"],
+            note=note,
+        ),
+        bench_harness.row(
+            "answer generation, embedded target",
+            "ours",
+            "HF generate",
+            s["ours_vs_hf_generate"],
+            note=note,
+        ),
+        bench_harness.row(
+            "answer generation, embedded target",
+            "ours, packed linears (the decode loops' CPU fp32 path)",
+            "ours, default kernels",
+            s["packed_vs_ours"],
+            note=f"{s['tok_s']['ours_packed']} vs {s['tok_s']['ours']} tok/s, packing included",
+        ),
+    ]
+    if "ours_vs_cat_cache" in s:  # older results lack it
+        out.append(
+            bench_harness.row(
+                "answer generation, embedded target",
+                "ours, KV cache written in place",
+                "ours, transformers' DynamicCache (grows by cat)",
+                s["ours_vs_cat_cache"],
+                note=f"{s['tok_s']['ours']} vs {s['tok_s']['ours_cat_cache']} tok/s",
+            )
+        )
+    return out
 
 
 if __name__ == "__main__":

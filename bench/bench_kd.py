@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
@@ -106,6 +107,32 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     print(json.dumps(out))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": ["--repeats", "1", "--seq", "256"]}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    shape = f"{s['rows']} x {s['seq']}, {s['anchors']} anchors/row"
+    return [
+        bench_harness.row(
+            f"target stage, logit distillation ({shape})",
+            "KD",
+            "CE",
+            s["target_kd_vs_ce"],
+            note=f"{s['target_tok_s']['kd']} vs {s['target_tok_s']['ce']} tok/s",
+        ),
+        bench_harness.row(
+            f"drafter step, logit distillation ({shape})",
+            "KD",
+            "CE",
+            s["drafter_kd_vs_ce"],
+            note=f"{s['drafter_tok_s']['kd']} vs {s['drafter_tok_s']['ce']} tok/s",
+        ),
+    ]
 
 
 if __name__ == "__main__":

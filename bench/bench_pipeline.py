@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
@@ -412,6 +413,66 @@ def main() -> None:
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": ["--quick"]}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    out = []
+    steady, whole = "training throughput (steady tokens/s)", "training throughput (tokens/s)"
+    for key, work, a, b in (
+        ("pipelined_vs_fixed_split", steady, "shared cores", "fixed 50/50 split"),
+        ("drafter_bound_shared_vs_fixed", steady, "shared cores, drafter-bound", "fixed split"),
+        ("pipelined_vs_sequential", steady, "pipelined", "sequential"),
+        (
+            "pipelined_vs_sequential_fill_and_drain_in",
+            whole,
+            "pipelined, fill and drain in",
+            "sequential",
+        ),
+        ("pipelined_vs_colocated", steady, "pipelined", "plain colocated loop"),
+        ("observability_on_vs_off", steady, "observability on", "off"),
+    ):
+        v = s.get(key)
+        if v is not None:  # results of an older bench_pipeline lack the newer rows
+            out.append(bench_harness.row(work, a, b, v["median"], v["min"], v["max"]))
+    if "process_cpu_over_wall" in s:
+        out.append(
+            bench_harness.row(
+                "training, pipelined",
+                "process CPU time",
+                "wall time",
+                s["process_cpu_over_wall"],
+                note="cores kept busy",
+            )
+        )
+    out.append(
+        bench_harness.row(
+            "training throughput",
+            "pipelined",
+            "bound of isolated stages",
+            s["pipelined_vs_stage_bound"],
+            note=f"target alone {s['isolated_target_tok_s']:.0f} tok/s, drafter alone "
+            f"{s['isolated_drafter_tok_s']:.0f} tok/s",
+        )
+    )
+    sb = s.get("schedule_bound")
+    if sb is not None:  # older results lack it
+        out.append(
+            bench_harness.row(
+                "training throughput, stages alone",
+                "balanced pipeline",
+                "sequential",
+                sb["bound"],
+                note="the most any pipeline can gain over sequential on these cores: "
+                f"{sb['balanced_pipeline_tok_s']:.0f} vs {sb['sequential_tok_s']:.0f} tok/s",
+            )
+        )
+    return out
 
 
 if __name__ == "__main__":

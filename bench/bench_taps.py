@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from dflash_trainer import bench_harness
+
 VARIANTS = ("tapped", "hidden_states", "hs_backbone")
 
 
@@ -180,6 +182,31 @@ def main() -> None:
         f"{summary['speedup_tapped_vs_backbone']:.2f}x faster"
     )
     print(json.dumps(summary))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": ["--quick"]}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    return [
+        bench_harness.row(
+            "target forward, forward memory",
+            "output_hidden_states",
+            "tapped hooks",
+            s["fwd_mem_ratio_hs_over_tapped"],
+            note="how much more the HF way needs",
+        ),
+        bench_harness.row(
+            "target forward, time",
+            "tapped hooks",
+            "output_hidden_states",
+            s["speedup_tapped_vs_hs"],
+            note="speedup",
+        ),
+    ]
 
 
 if __name__ == "__main__":

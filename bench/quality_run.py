@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.config_io import load_config, set_value
-from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import ensure_embedded_responses, generate_with, print_summary
 from dflash_trainer.data.prepare import REPORT, prepare_data
 from dflash_trainer.data.synthesize import as_prompts, synth_provenance, synthesize_prompts
@@ -94,27 +93,17 @@ def synth_sources(cfg, target, args, phases: Phases) -> list[str]:
         "hints": list(cfg.synth.hints),
     }
     answered = {**made, "answer_tokens": args.answer_tokens, "temperature": temperature}
-    answered.update(top_p=top_p, answer_seed=cfg.pipeline.seed)
+    answered.update(top_p=top_p, answer_seed=cfg.seed)
     root = cache_root(cfg.target.cache_dir) / "synth"
     # one prompts file for every answer setting: greedy and sampled answer the same prompts
     prompts_file = root / f"{_digest(made)}.prompts.jsonl"
     answers = root / f"{_digest(answered)}.answers.jsonl"
     stats = synthesize_prompts(cfg, target, prompts_file, engine)
     say(f"    {stats['kept']} prompts in {phases.end('synthesis'):.0f} s: {stats}")
-    res = generate_with(
-        engine,
-        cfg,
-        target,
-        as_prompts(prompts_file),
-        answers,
-        max_new_tokens=args.answer_tokens,
-        batch_size=64,
-        temperature=temperature,
-        top_p=top_p,
-        rendering=Rendering.from_config(cfg),
-        seed=cfg.pipeline.seed,
-        progress=cfg.metrics.console,
-    )
+    g = cfg.generate  # the answers' settings: generate_with reads them from [generate]
+    g.engine, g.max_new_tokens, g.batch_size = engine, args.answer_tokens, 64
+    g.temperature, g.top_p = temperature, top_p
+    res = generate_with(cfg, target, as_prompts(prompts_file), answers)
     print_summary(res)
     say(f"    answered in {phases.end('answers'):.0f} s (T={temperature})")
     return [str(answers)]

@@ -185,7 +185,7 @@ def test_truncated_export_in_eval(model_dir, tmp_path, capsys):
             f"--target.model={model_dir}",
             "--target.num_taps=2",
             f"--eval.datasets={path}",
-            "--eval.num_prompts=1",
+            "--eval.dataset_prompts=1",
         ]
     )
     err = capsys.readouterr().err

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from dflash_trainer.cli import main
@@ -99,7 +101,7 @@ def test_cli_config_show_and_errors(capsys):
 # Every config key, by section. A rename or a removal changes this table on purpose: keep the old
 # key in config.RENAMED (an error that names the new one) and update presets, README and docs.
 PINNED_KEYS = {
-    "": ["run_dir", "overwrite"],
+    "": ["run_dir", "overwrite", "seed"],
     "data": [
         "sources",
         "on_bad_record",
@@ -189,7 +191,6 @@ PINNED_KEYS = {
         "poll_s",
         "shutdown_deadline_s",
         "stall_timeout_s",
-        "seed",
         "precision",
         "fault",
         "collective_timeout_s",
@@ -220,7 +221,11 @@ PINNED_KEYS = {
     "eval": [
         "every_steps",
         "at_end",
-        "num_prompts",
+        "at_end_sources",
+        "at_end_baseline",
+        "compare",
+        "periodic_prompts",
+        "dataset_prompts",
         "validation_fraction",
         "validation_prompts",
         "dtype",
@@ -252,6 +257,18 @@ PINNED_KEYS = {
         "exclude",
         "max_rounds",
     ],
+    "generate": [
+        "prompts",
+        "out",
+        "limit",
+        "max_new_tokens",
+        "batch_size",
+        "temperature",
+        "top_p",
+        "engine",
+    ],
+    "export": ["source", "out", "dtype"],
+    "bench": ["quick", "only"],
 }
 
 
@@ -265,17 +282,23 @@ def test_the_set_of_config_keys_is_pinned():
 
 @pytest.mark.parametrize("old,new", sorted(RENAMED.items()))
 def test_a_renamed_key_is_an_error_that_names_the_new_one(tmp_path, old, new):
-    assert new in all_keys() and old not in all_keys()
-    with pytest.raises(ConfigError, match=f"'--{old}'.*renamed to '--{new}'"):
+    """A key with two meanings became two keys (a tuple): the error names both, and a saved
+    value goes to both."""
+    news = (new,) if isinstance(new, str) else new
+    assert all(n in all_keys() for n in news) and old not in all_keys()
+    both = " and ".join(f"'--{n}'" for n in news)
+    with pytest.raises(
+        ConfigError, match=re.escape(f"'--{old}'") + ".*renamed to " + re.escape(both)
+    ):
         load_config(None, None, [f"--{old}=1"])
     section, _, name = old.rpartition(".")
     toml = tmp_path / "old.toml"
     toml.write_text(f"[{section}]\n{name} = 1\n")
-    with pytest.raises(ConfigError, match=f"'{old}'.*renamed to '{new}'"):
+    with pytest.raises(ConfigError, match=f"'{old}'.*renamed to '{news[0]}'"):
         load_config(None, str(toml))
     # a config saved by an older version (an export's training.json) reads under the new name
     cfg = load_config(None, None, [], base={section: {name: 2}})
-    assert get_value(cfg, new) == 2
+    assert all(get_value(cfg, n) == 2 for n in news)
 
 
 def get_value(cfg, key):
@@ -283,3 +306,27 @@ def get_value(cfg, key):
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+@pytest.mark.parametrize(
+    "argv,flag,key",
+    [
+        (["generate", "--max-new-tokens", "4"], "--max-new-tokens", "generate.max_new_tokens"),
+        (["generate", "--output=x.jsonl"], "--output", "generate.out"),
+        (["export", "ckpt", "--out", "x"], "--out", "export.out"),
+        (["bench", "--only", "bench_kd.py"], "--only", "bench.only"),
+    ],
+)
+def test_a_command_flag_that_became_a_config_key_names_it(capsys, argv, flag, key):
+    """generate/export/bench settings are config sections; their old flags name the key."""
+    assert main(argv) == 2
+    assert f"'{flag}' of `{argv[0]}` is now the config key '--{key}'" in capsys.readouterr().err
+
+
+def test_the_export_positional_is_export_source():
+    from dflash_trainer.cli import build_parser, config_overrides
+
+    args, rest = build_parser().parse_known_args(["export", "ck", "--export.out=o"])
+    assert config_overrides(args, rest) == ["--export.source=ck", "--export.out=o"]
+    cfg = load_config(None, None, config_overrides(args, rest))
+    assert (cfg.export.source, cfg.export.out) == ("ck", "o")

@@ -237,7 +237,7 @@ def test_periodic_evaluation_draws_no_bar_the_final_one_does(monkeypatch, tmp_pa
     """Periodic evaluation runs between training steps, under the training bar: no bar. The
     end-of-run one follows metrics.console."""
     cfg = tiny_config(
-        tmp_path, **{"metrics.console": True, "eval.max_new_tokens": 4, "eval.num_prompts": 2}
+        tmp_path, **{"metrics.console": True, "eval.max_new_tokens": 4, "eval.periodic_prompts": 2}
     )
     target = tiny_target()
     ev = evaluation.PeriodicEval(

@@ -405,7 +405,8 @@ def test_cli_nproc_launches_torchrun_end_to_end(tmp_path):
 
 
 def test_cell_layout_offsets_cuda_devices_and_splits_cpu_threads():
-    from dflash_trainer.commands.train import strip_nproc, torchrun_argv
+    from dflash_trainer.cli import build_parser, config_overrides
+    from dflash_trainer.commands.train import torchrun_argv
     from dflash_trainer.pipeline.distributed import cell_layout
 
     assert cell_layout("cuda:0", ["cuda:1", "cuda:2", "cuda:3"], 0, 1, 2) == (
@@ -416,11 +417,13 @@ def test_cell_layout_offsets_cuda_devices_and_splits_cpu_threads():
     assert cell_layout("cuda", ["cuda:1"], 0, 3, 4)[:2] == ("cuda:6", ["cuda:7"])
     assert cell_layout("cpu", ["cpu"], 8, 1, 2) == ("cpu", ["cpu"], 4)
     assert cell_layout("cpu", ["cpu"], 1, 1, 2)[2] == 1
-    argv = ["train", "--nproc", "2", "--optim.lr=1e-3", "--nproc=2"]
-    assert strip_nproc(argv) == ["train", "--optim.lr=1e-3"]
-    cmd = torchrun_argv(2, argv)
+    # the relaunched command line is the parsed one without --nproc (in either spelling)
+    argv = ["train", "--nproc", "2", "--optim.lr=1e-3", "--nproc=2", "--preset", "smollm2-cpu"]
+    args, rest = build_parser().parse_known_args(argv)
+    args.overrides = config_overrides(args, rest)
+    cmd = torchrun_argv(args.nproc, args)
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
-    assert cmd[6:] == ["dflash_trainer", "train", "--optim.lr=1e-3"]
+    assert cmd[6:] == ["dflash_trainer", "train", "--preset", "smollm2-cpu", "--optim.lr=1e-3"]
 
 
 def test_merge_snapshots_sums_counters_and_names_stragglers():

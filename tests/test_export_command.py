@@ -1,5 +1,5 @@
-"""`dflash-trainer export CHECKPOINT_DIR --out DIR`: published format + training.json (target,
-training config), loadable by the `dflash` reference package; `eval --drafter DIR` needs no
+"""`dflash-trainer export CHECKPOINT_DIR --export.out=DIR`: published format + training.json
+(target, training config), loadable by the `dflash` reference package; `eval --drafter DIR` needs no
 preset."""
 
 import json
@@ -25,7 +25,7 @@ def trained(model_dir, tmp_path_factory):  # noqa: F811
 def test_export_a_checkpoint_records_target_and_config(trained, model_dir, tmp_path, capsys):  # noqa: F811
     (ck,) = sorted((trained / "checkpoints").glob("step-*"))
     out = tmp_path / "drafter"
-    assert main(["export", str(ck), "--out", str(out)]) == 0
+    assert main(["export", str(ck), f"--export.out={out}"]) == 0
     printed = capsys.readouterr().out
     assert f"exported step 2 of {ck.resolve()} to {out}" in printed
     assert f"dflash-trainer eval --drafter {out}" in printed
@@ -52,7 +52,7 @@ def test_export_a_checkpoint_records_target_and_config(trained, model_dir, tmp_p
 def test_reference_package_loads_the_export(trained, tmp_path):
     dflash_model = pytest.importorskip("dflash.model")
     out = tmp_path / "drafter"
-    assert main(["export", str(trained), "--out", str(out)]) == 0  # a run dir: its latest
+    assert main(["export", str(trained), f"--export.out={out}"]) == 0  # a run dir: its latest
     ref = dflash_model.DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32)
     ours = load_drafter(out)
     assert ref.block_size == ours.config.block_size
@@ -64,19 +64,27 @@ def test_reference_package_loads_the_export(trained, tmp_path):
 def test_dtype_and_refusals(trained, tmp_path, capsys):
     out = tmp_path / "bf16"
     assert (
-        main(["export", str(trained / "checkpoints"), "--out", str(out), "--dtype=bfloat16"]) == 0
+        main(
+            [
+                "export",
+                str(trained / "checkpoints"),
+                f"--export.out={out}",
+                "--export.dtype=bfloat16",
+            ]
+        )
+        == 0
     )
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     # re-exporting over an export is fine; over anything else is refused, untouched
-    assert main(["export", str(trained), "--out", str(out)]) == 0
+    assert main(["export", str(trained), f"--export.out={out}"]) == 0
     other = tmp_path / "notes"
     other.mkdir()
     (other / "keep.txt").write_text("mine")
     capsys.readouterr()
-    assert main(["export", str(trained), "--out", str(other)]) == 2
+    assert main(["export", str(trained), f"--export.out={other}"]) == 2
     assert "is not an export" in capsys.readouterr().err
     assert (other / "keep.txt").read_text() == "mine"
-    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+    assert main(["export", str(tmp_path / "nothing"), f"--export.out={tmp_path / 'x'}"]) == 2
     assert "is not a checkpoint" in capsys.readouterr().err
     # the trainer's own exports carry training.json too
     assert json.loads((trained / "export" / "training.json").read_text())["step"] == 2
@@ -84,7 +92,7 @@ def test_dtype_and_refusals(trained, tmp_path, capsys):
 
 def test_eval_on_an_export_needs_no_preset(trained, model_dir, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "drafter"
-    assert main(["export", str(trained), "--out", str(out)]) == 0
+    assert main(["export", str(trained), f"--export.out={out}"]) == 0
     prompts = tmp_path / "p.jsonl"
     msgs = [{"role": "user", "content": "Hello how is it going ?"}]
     prompts.write_text(json.dumps({"id": "a", "messages": msgs}) + "\n")
@@ -98,7 +106,7 @@ def test_eval_on_an_export_needs_no_preset(trained, model_dir, tmp_path, capsys)
             str(result),
             f"--eval.datasets=[{prompts}]",
             "--eval.max_new_tokens=6",
-            "--eval.num_prompts=1",
+            "--eval.dataset_prompts=1",
         ]
     )
     assert rc == 0, capsys.readouterr().err
@@ -115,7 +123,7 @@ def test_export_accepts_the_run_dir_and_the_latest_pointer(trained, tmp_path):
     want = load_file(str(ck / "export" / "model.safetensors"))
     for i, src in enumerate((trained, trained / "checkpoints", trained / "checkpoints" / "latest")):
         out = tmp_path / f"d{i}"
-        assert main(["export", str(src), "--out", str(out)]) == 0
+        assert main(["export", str(src), f"--export.out={out}"]) == 0
         got = load_file(str(out / "model.safetensors"))
         assert sorted(got) == sorted(want)
         for k in want:

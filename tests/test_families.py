@@ -187,7 +187,7 @@ def _train(family_dir, tmp_path, init):
             "--batching.max_tokens=256",
             "--optim.max_steps=3",
             "--pipeline.feature_cache_gb=0",
-            "--eval.num_prompts=1",
+            "--eval.periodic_prompts=1",
             "--eval.max_new_tokens=8",
             *COMMON,
         ]
@@ -206,8 +206,11 @@ def first_loss(run) -> float:
 def test_cli_generate_train_export_eval(family_dir, tmp_path, capsys):
     family, model, _, prompts = family_dir
     out = tmp_path / "gen.jsonl"
-    argv = ["generate", f"--prompts={prompts}", f"--target.model={model}", f"--output={out}"]
-    assert main([*argv, f"--run_dir={tmp_path / 'gen'}", "--max-new-tokens=4", *COMMON]) == 0
+    argv = ["generate", f"--generate.prompts={prompts}", f"--target.model={model}"]
+    argv += [f"--generate.out={out}"]
+    assert (
+        main([*argv, f"--run_dir={tmp_path / 'gen'}", "--generate.max_new_tokens=4", *COMMON]) == 0
+    )
     assert [json.loads(r)["id"] for r in out.read_text().splitlines()] == ["p0", "p1"]
 
     rc, run = _train(family_dir, tmp_path, "random")

@@ -247,12 +247,9 @@ def test_cli_generate_with_a_local_model(tiny_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = [
         "generate",
-        "--limit",
-        "3",
-        "--max-new-tokens",
-        "4",
-        "--batch-size",
-        "2",
+        "--generate.limit=3",
+        "--generate.max_new_tokens=4",
+        "--generate.batch_size=2",
         f"--target.model={tiny_dir}",
         "--target.num_taps=1",
         f"--run_dir={run_dir}",
@@ -268,8 +265,8 @@ def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch, cp
     from dflash_trainer.data import embedded
 
     monkeypatch.setattr(embedded, "embedded_prompts", lambda: PROMPTS[:3])
-    monkeypatch.setitem(gen.EMBEDDED_GEN, "max_new_tokens", 4)
     cfg = Config()
+    cfg.generate.max_new_tokens = 4
     cfg.target.model, cfg.target.num_taps, cfg.target.cache_dir = str(tiny_dir), 1, str(tmp_path)
     path = gen.ensure_embedded_responses(cfg)
     assert path.parent == tmp_path / "responses"
@@ -298,7 +295,12 @@ def test_ensure_embedded_responses_is_cached(tiny_dir, tmp_path, monkeypatch, cp
 @pytest.mark.skipif(not (HAS_SMOLLM2 and HAS_PROMPTS), reason="embedded packages not installed")
 def test_cli_generate_embedded(tmp_path, capsys):
     out = tmp_path / "gen.jsonl"
-    argv = ["generate", "--limit", "8", "--max-new-tokens", "16", "--output", str(out)]
+    argv = [
+        "generate",
+        "--generate.limit=8",
+        "--generate.max_new_tokens=16",
+        f"--generate.out={out}",
+    ]
     assert cli.main(argv) == 0
     recs = read(out)
     assert sorted(r["id"] for r in recs) == sorted(f"mtbench-{i}" for i in range(81, 89))

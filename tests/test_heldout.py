@@ -128,7 +128,7 @@ def test_train_evaluates_every_reported_prompt_at_the_end(tmp_path, caplog):
         tmp_path,
         **{
             "eval.every_steps": 6,
-            "eval.num_prompts": 2,
+            "eval.periodic_prompts": 2,
             "eval.max_new_tokens": 8,
             "optim.epochs": 2,
         },

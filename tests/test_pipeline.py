@@ -9,7 +9,7 @@ import torch
 from dflash_trainer.models.precision import resolve_dtype, use_autocast
 from dflash_trainer.pipeline.runtime import StageError
 from dflash_trainer.run import train
-from dflash_trainer.run.trainer import SteadyRate
+from dflash_trainer.run.hooks import SteadyRate
 from tiny import tiny_config, tiny_dataset, tiny_target
 
 
@@ -160,7 +160,7 @@ def test_periodic_eval_keeps_the_best_drafter(tmp_path):
         tmp_path,
         **{
             "eval.every_steps": 10,
-            "eval.num_prompts": 2,
+            "eval.periodic_prompts": 2,
             "eval.max_new_tokens": 8,
             "optim.epochs": 3,
         },
@@ -248,10 +248,10 @@ def test_wrong_features_stop_the_run_before_any_step(tmp_path, schedule):
 
 
 def test_trainer_leaves_no_reference_cycle(tmp_path):
-    """The step loop, checkpoint writer and supervisor hold bound methods of the Trainer; run()
-    cuts them, so with the garbage collector off the Trainer (and with it the drafter,
-    optimizer and head copies) is freed as soon as the last reference goes (a soak calling
-    train() repeatedly saw ~230 MB per call while such a cycle existed)."""
+    """The step loop, checkpoint writer and supervisor call back through hooks objects that
+    never hold the Trainer (run/hooks.py), so with the garbage collector off the Trainer (and
+    with it the drafter, optimizer and head copies) is freed as soon as the last reference goes
+    (a soak calling train() repeatedly saw ~230 MB per call while such a cycle existed)."""
     import gc
     import weakref
 

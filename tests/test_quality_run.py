@@ -57,7 +57,7 @@ def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
         "optim.max_steps": "6",
         "optim.epochs": "3",
         "eval.every_steps": "3",
-        "eval.num_prompts": "4",
+        "eval.periodic_prompts": "4",
         "eval.max_new_tokens": "6",
         "eval.validation_prompts": "2",
         "data.eval_fraction": "0.4",

@@ -201,8 +201,8 @@ def test_cli_generate_synthesises_then_answers(tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = [
         "generate",
-        "--engine=hf",
-        "--max-new-tokens=4",
+        "--generate.engine=hf",
+        "--generate.max_new_tokens=4",
         f"--target.model={d}",
         "--target.dtype=float32",
         "--target.num_taps=1",

@@ -6,9 +6,11 @@ Layout under `{run_dir}/checkpoints/`:
         drafter.safetensors     trainable drafter weights
         optimizer.pt            optimizer + scheduler + RNG state (tensors only: weights_only load)
         state.json              step, data position, resolved config
-    (the sample ledger is {run_dir}/ledger.jsonl, appended once a checkpoint is on disk)
         export/                 the drafter in the published DFlash format
     latest                  text file naming the newest complete checkpoint (atomic replace)
+
+The sample ledger is not in a checkpoint: it is `{run_dir}/ledger.jsonl`, one line per batch,
+appended by the writer once the checkpoint that covers those batches is on disk.
 
 A checkpoint is written to `step-N.tmp-<pid>/`, fsynced, then renamed: a crash (SIGKILL, full disk)
 mid-write leaves the previous checkpoint and `latest` intact.
@@ -155,8 +157,8 @@ def snapshot_checkpoint(
 
 
 def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int, export_fn=None) -> Path:
-    """Write `snap` as `checkpoints/step-N` atomically; `export_fn(out_dir, weights)` adds the
-    published-format export from the same weights."""
+    """Write `snap` as `checkpoints/step-N` atomically; `export_fn(out_dir, weights, step)` adds
+    the published-format export from the same weights."""
     root = ckpt_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{snap.step:07d}"
@@ -170,7 +172,7 @@ def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int, expor
         torch.save(snap.blob, tmp / "optimizer.pt")
         _write_json(tmp / "state.json", snap.meta)
         if export_fn is not None:
-            export_fn(tmp / "export", snap.weights)
+            export_fn(tmp / "export", snap.weights, snap.step)
         for f in tmp.iterdir():
             if f.is_file():
                 with open(f, "rb") as fh:
@@ -219,6 +221,18 @@ def save_checkpoint(
     return write_checkpoint(run_dir, snap, keep_last=keep_last, export_fn=export_fn)
 
 
+def append_ledger(run_dir, entries: list) -> None:
+    """The ledger entries a checkpoint on disk covers, appended to {run_dir}/ledger.jsonl and
+    fsynced: the ledger never runs ahead of a complete checkpoint."""
+    if not entries:
+        return
+    with open(Path(run_dir) / "ledger.jsonl", "a", encoding="utf-8") as f:
+        for epoch, ids in entries:
+            f.write(json.dumps({"epoch": epoch, "samples": ids}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class AsyncCheckpointWriter:
     """Writes snapshots on a background thread, one at a time, so the drafter trains on while
     files are written and fsynced (for a 1B-parameter drafter with AdamW that is ~12 GB).
@@ -226,7 +240,9 @@ class AsyncCheckpointWriter:
     At most one write is in flight: `submit` first waits for the previous one, which keeps
     checkpoints and their ledger entries in step order (call `wait` before taking the next
     snapshot, as the trainer does, to hold one snapshot in host memory at a time).
-    A failed write is raised (once) by the next `submit` or by `wait`, in the training thread.
+    After each write it appends the snapshot's ledger entries (append_ledger), then calls
+    `on_done(path, snap)`. A failed write is raised (once) by the next `submit` or by `wait`,
+    in the training thread.
     Atomicity is unchanged: a write that dies half-way leaves only a `.tmp-` directory.
     """
 
@@ -252,6 +268,7 @@ class AsyncCheckpointWriter:
             path = write_checkpoint(
                 self.run_dir, snap, keep_last=self.keep_last, export_fn=self.export_fn
             )
+            append_ledger(self.run_dir, snap.ledger)
             if self.on_done is not None:
                 self.on_done(path, snap)
             self._result = (path, None)

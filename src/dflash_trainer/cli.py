@@ -13,21 +13,102 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trainer.config import ConfigError
 from dflash_trainer.config_io import help_text, list_presets, load_config
 from dflash_trainer.errors import UserError
 
-# name -> one-line help; the command is dflash_trainer.commands.<name>.run(cfg, args) -> exit code.
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("report_run_dir", metavar="RUN_DIR", help="a run directory")
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "export_source",
+        metavar="CHECKPOINT_DIR",
+        nargs="?",
+        default=None,
+        help="the same as --export.source: a checkpoint (RUN_DIR/checkpoints/step-N), a run "
+        "directory (its latest checkpoint) or an export directory",
+    )
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drafter",
+        dest="drafter_path",
+        default=None,
+        help="exported drafter dir (default: RUN_DIR/export); its training.json names "
+        "the target and the training config, so no preset is needed",
+    )
+    p.add_argument("--output", default=None, help="JSON result file")
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="launch this many processes with torchrun (0 = this process)",
+    )
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["show"], help="show: print the resolved config as TOML")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command: dflash_trainer.commands.<name>.run(cfg, args) -> exit code. Its settings are
+    config keys; `add_args` adds only what is not one (positionals, the torchrun launcher)."""
+
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None
+
+
 COMMANDS = {
-    "train": "train a drafter online (target in the loop)",
-    "demo": "end to end on the embedded default: setup, regenerate, train, evaluate, export",
-    "generate": "regenerate assistant responses with the target (resumable JSONL)",
-    "eval": "speculative decoding with a drafter: acceptance length and speedup",
-    "report": "plots (PNG + HTML) of a run's metrics.jsonl",
-    "bench": "run every benchmark under bench/ and write one table",
-    "export": "write a checkpoint's drafter in the published DFlash format (+ training.json)",
+    "config": Command("show the resolved config", _config_args),
+    "train": Command("train a drafter online (target in the loop)", _train_args),
+    "demo": Command(
+        "end to end on the embedded default: setup, regenerate, train, evaluate, export"
+    ),
+    "generate": Command("regenerate assistant responses with the target (resumable JSONL)"),
+    "eval": Command(
+        "speculative decoding with a drafter: acceptance length and speedup", _eval_args
+    ),
+    "report": Command("plots (PNG + HTML) of a run's metrics.jsonl", _report_args),
+    "bench": Command("run every benchmark under bench/ and write one table"),
+    "export": Command(
+        "write a checkpoint's drafter in the published DFlash format (+ training.json)",
+        _export_args,
+    ),
+}
+
+# Positionals that stand for a config key (the key wins when both are given: it is explicit).
+POSITIONAL_KEYS = {"export_source": "export.source"}
+
+# Flags these commands took before their settings became config sections, and the key each is
+# now: using one is an error that names the key (as config.RENAMED does for renamed keys).
+RETIRED_FLAGS = {
+    "generate": {
+        f"--{old}": f"generate.{new}"
+        for old, new in [
+            ("prompts", "prompts"),
+            ("output", "out"),
+            ("max-new-tokens", "max_new_tokens"),
+            ("batch-size", "batch_size"),
+            ("temperature", "temperature"),
+            ("top-p", "top_p"),
+            ("limit", "limit"),
+            ("engine", "engine"),
+        ]
+    },
+    "export": {"--out": "export.out", "--dtype": "export.dtype"},
+    "bench": {"--quick": "bench.quick", "--only": "bench.only"},
 }
 
 
@@ -49,90 +130,34 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=epilog,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    cfg_p = sub.add_parser(
-        "config",
-        help="show the resolved config",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=epilog,
-    )
-    cfg_p.add_argument("action", choices=["show"], help="show: print the resolved config as TOML")
-    _add_common(cfg_p)
-
-    for name, help_line in COMMANDS.items():
+    for name, command in COMMANDS.items():
         p = sub.add_parser(
             name,
-            help=help_line,
-            description=help_line,
+            help=command.help,
+            description=command.help,
             formatter_class=argparse.RawDescriptionHelpFormatter,
             epilog=epilog,
         )
         _add_common(p)
-        if name == "report":
-            p.add_argument("report_run_dir", metavar="RUN_DIR", help="a run directory")
-        if name == "export":
-            p.add_argument(
-                "export_source",
-                metavar="CHECKPOINT_DIR",
-                help="a checkpoint (RUN_DIR/checkpoints/step-N), a run directory (its latest "
-                "checkpoint) or an export directory",
-            )
-            p.add_argument("--out", dest="export_out", required=True, help="output directory")
-            p.add_argument(
-                "--dtype",
-                dest="export_dtype",
-                default="bfloat16",
-                choices=["bfloat16", "float32", "float16", "as_stored"],
-                help="weights dtype (default bfloat16, which every engine runs; as_stored = the "
-                "source's dtype)",
-            )
-        if name == "eval":
-            p.add_argument(
-                "--drafter",
-                dest="drafter_path",
-                default=None,
-                help="exported drafter dir (default: RUN_DIR/export); its training.json names "
-                "the target and the training config, so no preset is needed",
-            )
-            p.add_argument("--output", default=None, help="JSON result file")
-        if name == "generate":
-            p.add_argument(
-                "--prompts",
-                default="embedded",
-                help="prompt source: 'embedded' (MT-Bench + HumanEval) or a "
-                "conversation file whose assistant turns are regenerated",
-            )
-            p.add_argument("--output", default=None, help="output JSONL (appended, resumable)")
-            p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per response")
-            p.add_argument("--batch-size", type=int, default=16, help="prompts per batch")
-            p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-            p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-            p.add_argument("--limit", type=int, default=0, help="only the first N prompts (0=all)")
-            p.add_argument(
-                "--engine",
-                default="auto",
-                choices=["auto", "hf", "vllm"],
-                help="hf = the project's batched decode loop; vllm = vLLM's offline engine (its "
-                "own venv: make vllm; --eval.vllm_python), sampling parameters recorded in each "
-                "record's provenance; auto = vllm where installed (bf16/fp16 targets, jobs of "
-                ">= 2048 prompts x tokens), else hf",
-            )
-        if name == "train":
-            p.add_argument(
-                "--nproc",
-                type=int,
-                default=0,
-                help="launch this many processes with torchrun (0 = this process)",
-            )
-        if name == "bench":
-            p.add_argument("--quick", action="store_true", help="fewer repeats")
-            p.add_argument(
-                "--only",
-                action="append",
-                metavar="SCRIPT",
-                help="run only this bench/ script (repeatable); other rows are kept",
-            )
+        if command.add_args is not None:
+            command.add_args(p)
     return parser
+
+
+def config_overrides(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """The `--section.field=VALUE` overrides of this command line: the unparsed rest, a retired
+    flag refused naming its key, and the positionals that stand for a key."""
+    retired = RETIRED_FLAGS.get(args.command, {})
+    for a in rest:
+        flag = a.split("=", 1)[0]
+        if flag in retired:
+            section, _, field = retired[flag].partition(".")
+            raise ConfigError(
+                f"'{flag}' of `{args.command}` is now the config key '--{retired[flag]}': "
+                f"--{retired[flag]}=VALUE, or {field} under [{section}] in a TOML file."
+            )
+    given = ((key, getattr(args, dest, None)) for dest, key in POSITIONAL_KEYS.items())
+    return [f"--{key}={v}" for key, v in given if v] + list(rest)
 
 
 class _ConsoleHandler(logging.StreamHandler):
@@ -176,11 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    args.overrides = list(rest)  # a command may rebuild its config on another base (eval)
     _setup_console_logging()
     cfg = None
     try:
-        cfg = load_config(args.preset, args.config_file, rest)
+        # a command may rebuild its config on another base (eval)
+        args.overrides = config_overrides(args, rest)
+        cfg = load_config(args.preset, args.config_file, args.overrides)
         command = importlib.import_module(f"dflash_trainer.commands.{args.command}")
         return int(command.run(cfg, args) or 0)
     except ConfigError as e:

@@ -70,7 +70,7 @@ class DataConfig:
     eval_fraction: float = _f(
         0.1,
         "share of conversations held out for evaluation, per source (MT-Bench and HumanEval for "
-        "the embedded data, each file otherwise), chosen with pipeline.seed",
+        "the embedded data, each file otherwise), chosen with seed",
         min=0.0,
         max=0.9,
     )
@@ -359,7 +359,6 @@ class PipelineConfig:
     stall_timeout_s: float = _f(
         0.0, "abort when a stage makes no progress this long (0 = off)", unit="s", min=0.0
     )
-    seed: int = _f(0, "seed of anchors, init and everything random")
     precision: str = _f(
         "auto",
         "drafter compute: auto = bf16 autocast where bf16 matmuls are native (CUDA, CPUs with "
@@ -480,11 +479,18 @@ class EvalConfig:
         "loop: reference (the published dflash_generate loop: eval/tau_reference), vllm (served: "
         "eval/tau_vllm); at the end of training and in `eval`",
     )
-    num_prompts: int = _f(
+    periodic_prompts: int = _f(
         16,
-        "validation prompts per periodic evaluation (a fixed seeded subset, stratified by source, "
-        "chosen once); in the eval command, the prompts per named dataset (heldout is decoded "
-        "whole)",
+        "validation prompts per periodic evaluation (eval.every_steps): a fixed seeded subset, "
+        "stratified by source, chosen once",
+        unit="prompts",
+        min=1,
+    )
+    dataset_prompts: int = _f(
+        16,
+        "`eval` command: prompts decoded from each named eval.datasets entry (mt-bench, "
+        "humaneval, a file: its first N; heldout is decoded whole)",
+        unit="prompts",
         min=1,
     )
     validation_fraction: float = _f(
@@ -566,6 +572,70 @@ class EvalConfig:
     )
 
 
+# The settings of the command-specific sections below are read only by their command
+# (`generate`, `export`, `bench`), except generate's generation settings: they also decide the
+# embedded data set's responses (data/generate.py), and are part of its cache key.
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateConfig:
+    prompts: str = _f(
+        "embedded",
+        "`generate`: the prompts to answer: embedded (MT-Bench + HumanEval) or a conversation "
+        "file (data.format records) whose assistant turns are regenerated",
+    )
+    out: str = _f(
+        "", "`generate`: output JSONL, appended, resumable ('' = RUN_DIR/generated.jsonl)"
+    )
+    limit: int = _f(0, "`generate`: only the first N prompts (0 = all)", unit="prompts", min=0)
+    # Sized for the CPU demo's embedded data set (most answers end before 192 tokens). Batch 64:
+    # with the KV cache written in place (models/kv_cache.py) a step's cost is mostly reading
+    # the weights, so more rows per step pay: on a 2-core EPYC, 64 middle-length prompts ran
+    # 1.15-1.32x faster at batch 64 than at 32, while on 128 prompts batch 128 ran at 0.82x of
+    # batch 64 (padding, attention). The batch size is part of the embedded cache key: batched
+    # float math can flip a rare argmax tie.
+    max_new_tokens: int = _f(
+        192,
+        "tokens per response (of `generate` and of the embedded data set)",
+        unit="tokens",
+        min=1,
+    )
+    batch_size: int = _f(64, "prompts decoded together (left padded)", unit="prompts", min=1)
+    temperature: float = _f(0.0, "0 = greedy; > 0 samples with top_p", min=0.0)
+    top_p: float = _f(1.0, "nucleus sampling mass when temperature > 0", min=0.01, max=1.0)
+    engine: str = _f(
+        "auto",
+        "hf = the project's batched decode loop; vllm = vLLM's offline engine (its own venv: "
+        "make vllm; eval.vllm_python), its sampling parameters recorded in each record's "
+        "provenance; auto = vllm where installed (bf16/fp16 targets, jobs of >= 2048 prompts x "
+        "tokens), else hf",
+        choices=("auto", "hf", "vllm"),
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    source: str = _f(
+        "",
+        "`export`: a checkpoint (RUN_DIR/checkpoints/step-N), a run directory (its latest "
+        "checkpoint) or an export directory ('' = run_dir); also the positional CHECKPOINT_DIR",
+    )
+    out: str = _f("", "`export`: the output directory, new or an earlier export (required)")
+    dtype: str = _f(
+        "bfloat16",
+        "`export`: weights dtype (bfloat16 runs in every engine; as_stored = the source's dtype)",
+        choices=("bfloat16", "float32", "float16", "as_stored"),
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    quick: bool = _f(False, "`bench`: fewer repeats")
+    only: list[str] = _f(
+        [], "`bench`: run only these bench/ scripts ([] = all); the other rows are kept"
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class SynthConfig:
     """Prompt synthesis without a hub (data/synthesize.py): the target writes user turns."""
@@ -623,6 +693,13 @@ class Config:
         "a new run into a run_dir that holds an earlier run first moves that run aside to "
         "RUN_DIR.old-<timestamp> (nothing is deleted); also --overwrite",
     )
+    seed: int = _f(
+        0,
+        "seed of the training run's randomness: the drafter's random init, the anchors sampled "
+        "per step, the held-out/validation split, the periodic-evaluation subset, and "
+        "generate's sampling (temperature > 0); the batch order has batching.seed, evaluation's "
+        "sampling eval.seed",
+    )
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -633,12 +710,19 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 # Keys that were renamed: old key -> new key. Reading an old key is an error that names the new
 # one (config_io.set_value and the flag parser), so a preset or script is fixed, not ignored.
-RENAMED = {
+# A key whose two meanings became two keys maps to both (the error names both; a saved config's
+# value goes to both).
+RENAMED: dict[str, str | tuple[str, ...]] = {
     "pipeline.timeout_s": "pipeline.poll_s",
+    "pipeline.seed": "seed",
+    "eval.num_prompts": ("eval.periodic_prompts", "eval.dataset_prompts"),
 }
 
 

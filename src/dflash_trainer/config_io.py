@@ -164,11 +164,16 @@ def _get_parent(cfg: Config, key: str):
     return obj, leaf
 
 
+def renamed_to(key: str) -> tuple[str, ...]:
+    """The key(s) an old key became (config.RENAMED); (key,) when it was not renamed."""
+    new = RENAMED.get(key, key)
+    return (new,) if isinstance(new, str) else new
+
+
 def _renamed(key: str, origin: str, flag: bool = False) -> ConfigError:
     dash = "--" if flag else ""
-    return ConfigError(
-        f"'{dash}{key}' (from {origin}) was renamed to '{dash}{RENAMED[key]}'; use the new name."
-    )
+    new = " and ".join(f"'{dash}{k}'" for k in renamed_to(key))
+    return ConfigError(f"'{dash}{key}' (from {origin}) was renamed to {new}; use the new name.")
 
 
 def set_value(cfg: Config, key: str, value: Any, *, origin: str = "flag") -> None:
@@ -264,7 +269,8 @@ def apply_saved(cfg: Config, saved: dict, origin: str) -> list[str]:
     """Apply a config saved by another version of the trainer (an export's training.json):
     keys this version does not know are skipped and returned, not errors."""
     known = set(all_keys())
-    flat = {RENAMED.get(k, k): v for k, v in _flatten(saved).items()}  # older versions' names
+    # older versions' names: the value goes to the key(s) each became
+    flat = {new: v for k, v in _flatten(saved).items() for new in renamed_to(k)}
     for key, value in flat.items():
         if key in known:
             set_value(cfg, key, value, origin=origin)

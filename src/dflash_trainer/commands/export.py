@@ -1,4 +1,4 @@
-"""`dflash-trainer export CHECKPOINT_DIR --out DIR`: a checkpoint's drafter in the published
+"""`dflash-trainer export CHECKPOINT_DIR --export.out=DIR`: a checkpoint's drafter in the published
 DFlash format (config.json + model.safetensors, what SGLang, vLLM and the `dflash` package
 load), plus training.json (the target's name and revision, the resolved training config), so
 that `dflash-trainer eval --drafter DIR` needs no preset. docs/export.md describes every file."""
@@ -17,11 +17,11 @@ from dflash_trainer.models.export import (
     TRAINING_NAME,
     WEIGHTS_NAME,
     export_drafter,
+    export_dtype,
     load_drafter,
     read_training,
     training_record,
 )
-from dflash_trainer.models.precision import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,10 @@ def _source(path: Path) -> tuple[Path, dict | None]:
 
 def _check_out(out: Path, src: Path) -> None:
     if out.resolve() == src.resolve():
-        raise UserError(f"--out {out} is the source itself; choose another directory.")
+        raise UserError(f"export.out {out} is the source itself; choose another directory.")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_export(out))):
         raise UserError(
-            f"--out {out} exists and is not an export (no config.json + model.safetensors); "
+            f"export.out {out} exists and is not an export (no config.json + model.safetensors); "
             "it would be replaced. Choose a new or empty directory."
         )
 
@@ -58,12 +58,15 @@ def export(source, out, dtype: str = "bfloat16") -> tuple[Path, dict | None]:
     out = Path(out)
     _check_out(out, src)
     drafter = load_drafter(src)  # validates names, shapes and finiteness
-    export_drafter(drafter, out, DTYPES.get(dtype), training=rec)  # as_stored/"": unchanged
+    export_drafter(drafter, out, export_dtype(dtype), training=rec)  # as_stored: unchanged
     return out, rec
 
 
 def run(cfg: Config, args) -> int:
-    out, rec = export(args.export_source, args.export_out, args.export_dtype)
+    e = cfg.export
+    if not e.out:
+        raise UserError("export: name the output directory: --export.out=DIR.")
+    out, rec = export(e.source or cfg.run_dir, e.out, e.dtype)
     config = json.loads((out / CONFIG_NAME).read_text())
     size = (out / WEIGHTS_NAME).stat().st_size
     target = (rec or {}).get("target", {})

@@ -1,5 +1,5 @@
-"""`dflash-trainer generate`: regenerate assistant responses for --prompts with the target into
---output (JSONL, appended, resumable)."""
+"""`dflash-trainer generate`: regenerate assistant responses for generate.prompts with the target
+into generate.out (JSONL, appended, resumable), with the [generate] section's settings."""
 
 from __future__ import annotations
 
@@ -18,27 +18,17 @@ log = logging.getLogger(__name__)
 
 
 def run(cfg: Config, args) -> int:
-    rendering = Rendering.from_config(cfg)  # a bad data.chat_template stops before the load
+    g = cfg.generate
+    Rendering.from_config(cfg)  # a bad data.chat_template stops before the load
     # synth.prompts > 0: the target writes the prompts (data/synthesize.py), after its load
-    prompts = [] if cfg.synth.prompts else load_prompts(args.prompts, cfg)
-    if args.limit and args.limit > 0:
-        prompts = prompts[: args.limit]
-    out = Path(args.output) if args.output else Path(cfg.run_dir) / "generated.jsonl"
+    prompts = [] if cfg.synth.prompts else load_prompts(g.prompts, cfg)
+    out = Path(g.out) if g.out else Path(cfg.run_dir) / "generated.jsonl"
     if cfg.pipeline.cpu_threads > 0:
         torch.set_num_threads(cfg.pipeline.cpu_threads)
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     if cfg.synth.prompts:
-        prompts = synthesized_prompts(cfg, target, out, getattr(args, "engine", "auto"))
-        prompts = prompts[: args.limit] if args.limit and args.limit > 0 else prompts
-    how = dict(
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        rendering=rendering,
-        seed=cfg.pipeline.seed,
-        progress=cfg.metrics.console,
-    )
-    stats = generate_with(getattr(args, "engine", "hf"), cfg, target, prompts, out, **how)
-    print_summary(stats)
+        prompts = synthesized_prompts(cfg, target, out, g.engine)
+    if g.limit > 0:
+        prompts = prompts[: g.limit]
+    print_summary(generate_with(cfg, target, prompts, out))
     return 0

@@ -20,24 +20,11 @@ from dflash_trainer.run.trainer import setup_run_logging
 log = logging.getLogger(__name__)
 
 
-def strip_nproc(argv: list[str]) -> list[str]:
-    """argv without `--nproc N` / `--nproc=N`."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        out.append(a)
-    return out
-
-
-def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N -m dflash_trainer ARGV`."""
+def torchrun_argv(nproc: int, args) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m dflash_trainer train
+    ...`: this command line as parsed (cli.main), less `--nproc`, so each rank runs it once."""
+    common = [*(["--preset", args.preset] if args.preset else [])]
+    common += ["--config", args.config_file] if args.config_file else []
     return [
         sys.executable,
         "-m",
@@ -46,22 +33,23 @@ def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
         f"--nproc-per-node={int(nproc)}",
         "-m",
         "dflash_trainer",
-        *strip_nproc(argv),
+        "train",
+        *common,
+        *args.overrides,
     ]
 
 
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    cmd = torchrun_argv(nproc, argv)
+def launch_torchrun(nproc: int, args) -> int:
+    cmd = torchrun_argv(nproc, args)
     log.info("launching: %s", " ".join(cmd))
     return subprocess.call(cmd)
 
 
 def run(cfg: Config, args) -> int:
     require_sources(cfg)  # before any process or directory is touched
-    nproc = getattr(args, "nproc", 0) or 0
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         # Convenience: relaunch this very command under torchrun, one process per cell.
-        return launch_torchrun(nproc, sys.argv[1:])
+        return launch_torchrun(args.nproc, args)
     rank = int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.overwrite and cfg.checkpoint.resume_from:
         if Path(cfg.checkpoint.resume_from).resolve().is_relative_to(Path(cfg.run_dir).resolve()):

@@ -38,14 +38,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.files import atomic_file
 from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)
@@ -393,8 +392,6 @@ def tokenize_conversation(
     open_last: the last answer was cut at a generation limit: no end-of-turn token after it.
     """
     rendering = rendering or Rendering()
-    if overlong not in ("truncate", "drop"):
-        raise UserError(f"data.overlong: {overlong!r} is not 'truncate' or 'drop'.")
     rendering.check(tokenizer)
     text, spans = rendering.render(tokenizer, messages, open_last=open_last)
     (ids,), (offs,) = _encode(tokenizer, [text])
@@ -471,26 +468,18 @@ class TokenizedDataset:
     def save(self, path: Path) -> None:
         flat_ids = np.concatenate(self.input_ids) if self.input_ids else np.zeros(0, np.int32)
         flat_mask = np.concatenate(self.loss_mask) if self.loss_mask else np.zeros(0, np.uint8)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(
-                    f,
-                    input_ids=flat_ids,
-                    loss_mask=flat_mask,
-                    lengths=self.lengths,
-                    ids=np.array(self.ids, dtype=np.str_),
-                    meta=np.array(
-                        json.dumps(
-                            {"stats": self.stats, "pad_id": self.pad_id, "format": CACHE_FORMAT}
-                        )
-                    ),
-                )
-            os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache file
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # atomic: a crash never leaves a half-written cache file
+        with atomic_file(path) as f:
+            np.savez(
+                f,
+                input_ids=flat_ids,
+                loss_mask=flat_mask,
+                lengths=self.lengths,
+                ids=np.array(self.ids, dtype=np.str_),
+                meta=np.array(
+                    json.dumps({"stats": self.stats, "pad_id": self.pad_id, "format": CACHE_FORMAT})
+                ),
+            )
 
     @classmethod
     def load(cls, path: Path) -> TokenizedDataset:
@@ -618,8 +607,6 @@ def build_dataset(
     terminal)."""
     rendering = rendering or Rendering()
     rendering.check(tokenizer)
-    if data_cfg.overlong not in ("truncate", "drop"):
-        raise UserError(f"data.overlong: {data_cfg.overlong!r} is not 'truncate' or 'drop'.")
     root = Path(cache_dir).expanduser() if cache_dir else _default_cache_dir(data_cfg)
     path = root / f"{cache_key(data_cfg, tokenizer, conversations, rendering)}.npz"
     if path.exists():

@@ -36,13 +36,6 @@ from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)
 
-# Settings of the embedded data set's responses (the `generate` CLI defaults).
-# Sized for the CPU demo (most answers end before 192 tokens). Batch 64: with the KV cache
-# written in place (models/kv_cache.py) a step's cost is mostly reading the weights, so more rows
-# per step pay: on a 2-core EPYC, 64 middle-length prompts ran 1.15-1.32x faster at batch 64 than
-# at 32, while on 128 prompts batch 128 ran at 0.82x of batch 64 (padding, attention). The batch
-# size is part of the cache key: batched float math can flip a rare argmax tie.
-EMBEDDED_GEN = {"max_new_tokens": 192, "batch_size": 64, "temperature": 0.0, "top_p": 1.0}
 # Settings a resumed file must share; format / chat_template only where they differ from the
 # default rendering (Rendering.identity), so files from before them still resume.
 _PROVENANCE_KEYS = (
@@ -91,7 +84,7 @@ def read_done_ids(out_path: str | Path, expect: dict | None = None) -> set[str]:
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(
                 f"{path}:{lineno}: not a generate record (bad JSON or no 'id'). Delete "
-                "that line, or choose another --output."
+                "that line, or choose another generate.out."
             ) from None
         if expect is not None:
             prov = rec.get("provenance", {})
@@ -104,7 +97,7 @@ def read_done_ids(out_path: str | Path, expect: dict | None = None) -> set[str]:
                 raise UserError(
                     f"{path}:{lineno}: made with different settings ("
                     + ", ".join(f"{k}={prov.get(k)!r}, now {expect.get(k)!r}" for k in diff)
-                    + "). Resuming would mix them: choose another --output or delete the file."
+                    + "). Resuming would mix them: choose another generate.out or delete the file."
                 )
         done.add(str(rid))
     return done
@@ -277,9 +270,9 @@ def generate_responses(
     """
     rendering = rendering or Rendering()
     if max_new_tokens < 1 or batch_size < 1:
-        raise UserError("generate: --max-new-tokens and --batch-size must be >= 1.")
+        raise UserError("generate: generate.max_new_tokens and generate.batch_size must be >= 1.")
     if temperature < 0 or not 0 < top_p <= 1:
-        raise UserError("generate: --temperature must be >= 0 and --top-p in (0, 1].")
+        raise UserError("generate: generate.temperature must be >= 0 and generate.top_p in (0, 1].")
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     provenance = {
@@ -382,8 +375,8 @@ def embedded_responses_path(cfg) -> Path:
         # the dtype the answers are computed in ('auto' differs between machines)
         "dtype": dtype_name(cfg.target.dtype, cfg.pipeline.target_devices[0]),
         "thinking": cfg.target.enable_thinking,
-        "seed": cfg.pipeline.seed,
-        **EMBEDDED_GEN,
+        "seed": cfg.seed,
+        **gen_settings(cfg),
         **Rendering.from_config(cfg).identity(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -409,25 +402,12 @@ def ensure_embedded_responses(cfg, target=None) -> Path:
         flush=True,
     )
     # The demo's data: vLLM where it is installed and pays (choose_engine), else the loop here.
-    stats = generate_with(
-        "auto",
-        cfg,
-        target,
-        prompts,
-        path,
-        max_new_tokens=EMBEDDED_GEN["max_new_tokens"],
-        batch_size=EMBEDDED_GEN["batch_size"],
-        temperature=EMBEDDED_GEN["temperature"],
-        top_p=EMBEDDED_GEN["top_p"],
-        rendering=Rendering.from_config(cfg),
-        seed=cfg.pipeline.seed,
-        progress=cfg.metrics.console,
-    )
+    stats = generate_with(cfg, target, prompts, path)
     print_summary(stats)
     return path
 
 
-# `--engine auto` picks vLLM where it is installed and the job is large enough to pay for its
+# generate.engine=auto picks vLLM where it is installed and the job is large enough to pay for its
 # engine start (~20-55 s on 2 cores). Measured on the embedded data set (244 prompts x 192
 # tokens, bf16, 2 busy cores): vLLM's CPU build 222.7 tokens/s including the start, the project's
 # batched loop (batch 64) 35.9 tokens/s; on 6 prompts x 24 tokens the loop won (6.1 vs 2.7).
@@ -446,7 +426,7 @@ def choose_engine(cfg, choice: str, budget: int) -> tuple[str, VLLMEngine | None
         choice == "auto" and (budget < AUTO_VLLM_MIN_BUDGET or dtype == "float32")
     ):
         return "hf", None
-    needed = "generate --engine vllm" if choice == "vllm" else ""
+    needed = "generate --generate.engine=vllm" if choice == "vllm" else ""
     eng, why = engine_for_config(cfg, dtype, required=needed)
     if eng is None:
         log.info("generate: vLLM not available (%s); the project's decode loop", why)
@@ -455,15 +435,31 @@ def choose_engine(cfg, choice: str, budget: int) -> tuple[str, VLLMEngine | None
     return "vllm", eng
 
 
-def generate_with(choice: str, cfg, target, prompts, out, **how) -> dict:
-    """generate_responses on the engine `choice` (hf | vllm | auto: choose_engine) picks for
-    this job; under auto, a target vLLM cannot serve falls back to the project's loop (vLLM
-    wrote nothing)."""
-    if cfg.target.revision:
-        extra = {"target_revision": cfg.target.revision, **how.get("extra_provenance", {})}
-        how["extra_provenance"] = extra
-    budget = len(prompts) * how.get("max_new_tokens", 256)
-    engine, vllm = choose_engine(cfg, choice, budget)
+def gen_settings(cfg) -> dict:
+    """The [generate] settings that decide the answers (the embedded data set's cache key)."""
+    g = cfg.generate
+    return {
+        "max_new_tokens": g.max_new_tokens,
+        "batch_size": g.batch_size,
+        "temperature": g.temperature,
+        "top_p": g.top_p,
+    }
+
+
+def generate_with(cfg, target, prompts, out) -> dict:
+    """generate_responses with cfg's [generate] settings, on the engine that
+    generate.engine (hf | vllm | auto: choose_engine) picks for this job; under auto, a target
+    vLLM cannot serve falls back to the project's loop (vLLM wrote nothing)."""
+    choice = cfg.generate.engine
+    revision = {"target_revision": cfg.target.revision} if cfg.target.revision else {}
+    how = dict(
+        gen_settings(cfg),
+        extra_provenance=revision,
+        rendering=Rendering.from_config(cfg),
+        seed=cfg.seed,
+        progress=cfg.metrics.console,
+    )
+    engine, vllm = choose_engine(cfg, choice, len(prompts) * cfg.generate.max_new_tokens)
     try:
         return generate_responses(target, prompts, out, engine=engine, vllm=vllm, **how)
     except UserError as e:

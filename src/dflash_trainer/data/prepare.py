@@ -1,7 +1,7 @@
 """From `data.*` config to (train, held-out) tokenized datasets, resolving the embedded source.
 
 The held-out split is stratified by source (the embedded data: MT-Bench and HumanEval, told apart
-by the id prefix; user data: each source file) and drawn with `pipeline.seed`; the held-out set
+by the id prefix; user data: each source file) and drawn with `seed`; the held-out set
 is kept in a seeded shuffled order (never length order, so "the first N" is not "the N
 shortest"). The held-out side is split once more: a small validation subset (stratified the same
 way, `eval.validation_fraction` or `eval.validation_prompts`) picks `best/` during training; the
@@ -117,7 +117,7 @@ def prepare_data(cfg, tokenizer, target=None):
         sources,
         cfg.data.on_bad_record,
         tuple(cfg.data.roots),
-        seed=cfg.pipeline.seed,
+        seed=cfg.seed,
         data_format=cfg.data.format,
     )
     log.info("data: %s", report.summary() if hasattr(report, "summary") else report)
@@ -126,9 +126,7 @@ def prepare_data(cfg, tokenizer, target=None):
     )
     log.info("tokenized: %s", dataset.stats)
     label = {c.id: source_label(c.id, c.source, embedded_files) for c in convs}
-    train, heldout = split_dataset(
-        dataset, label, cfg.data.eval_fraction, cfg.pipeline.seed, cfg.eval
-    )
+    train, heldout = split_dataset(dataset, label, cfg.data.eval_fraction, cfg.seed, cfg.eval)
     run_dir = Path(cfg.run_dir)
     write_split_files(run_dir, convs, train, heldout, cfg.data.format)
     counts = defaultdict(lambda: [0, 0])
@@ -136,7 +134,7 @@ def prepare_data(cfg, tokenizer, target=None):
         counts[s][r == VALIDATION] += 1
     log.info(
         "held out (seed %d, stratified by source): %s; files in %s",
-        cfg.pipeline.seed,
+        cfg.seed,
         ", ".join(f"{s}: {a} reported + {b} validation" for s, (a, b) in sorted(counts.items()))
         or "none",
         run_dir,

@@ -618,8 +618,6 @@ def read_source(
 ) -> list[Conversation]:
     """Read one source of `data_format` records (no weighting). Counts go to `stats`.
     prompts_only: keep records without a response too (prompts for `generate` to answer)."""
-    if on_bad_record not in ("error", "skip"):
-        raise UserError(f"data.on_bad_record: {on_bad_record!r} is not 'error' or 'skip'.")
     name, stem, records = _open_source(str(path), roots)
     stats = stats if stats is not None else SourceStats(str(path), 1.0)
     out: list[Conversation] = []

@@ -287,7 +287,7 @@ def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> d
     """Speculative decoding on every `eval.datasets` entry: name -> EvalSummary.
 
     'heldout' is decoded whole. A named set (mt-bench, humaneval, a file) is cut to
-    eval.num_prompts; where it overlaps the run's training data (train_ids.json), a warning
+    eval.dataset_prompts; where it overlaps the run's training data (train_ids.json), a warning
     gives the overlap and tau is reported separately: `NAME:trained` and `NAME:unseen`."""
     trained = training_ids(cfg)
     rendering = Rendering.from_config(cfg)
@@ -296,7 +296,7 @@ def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> d
         convs = load_prompt_set(name, cfg)
         parts = {name: convs}
         if name != "heldout":
-            convs = convs[: cfg.eval.num_prompts]
+            convs = convs[: cfg.eval.dataset_prompts]
             parts = {name: convs}
             if trained is not None:
                 seen, rest = split_by_training(convs, trained)

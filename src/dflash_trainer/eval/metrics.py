@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_trainer.models.precision import SHORT_NAMES
+
 
 @dataclass
 class EvalSummary:
@@ -77,9 +79,7 @@ class EvalSummary:
             return f"identical to plain greedy decoding on {m} of {m} ({self.decode_dtype})"
         gap = f"{max(self.tie_gaps):.3g}" if self.tie_gaps else "?"
         if self.near_ties_only:
-            short = {"bfloat16": "bf16", "float16": "fp16"}.get(
-                self.decode_dtype, self.decode_dtype
-            )
+            short = SHORT_NAMES.get(self.decode_dtype, self.decode_dtype)
             return (
                 f"identical except {short} near-ties: {n} of {m}, largest logit gap {gap} "
                 "(decode in float32, eval.dtype=float32, for an exact check)"

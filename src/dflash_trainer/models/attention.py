@@ -34,8 +34,9 @@ from torch.autograd.function import once_differentiable
 IMPLS = ("dense", "split", "flex")
 
 # Context-score chunk: at most this many (query x context-key) score elements per chunk of
-# blocks, so the transient fp32 scores stay ~4 MiB whatever N and S are. Measured at the issue-4
-# shape on one thread: 2^20 is faster than both 2^18 (per-op overhead) and 2^22-2^24 (the
+# blocks, so the transient fp32 scores stay ~4 MiB whatever N and S are. Measured at
+# bench/bench_attention.py's full shape (hidden 576, sequence 1024, 256 anchors, block 16) on one
+# thread: 2^20 is faster than both 2^18 (per-op overhead) and 2^22-2^24 (the
 # elementwise passes fall out of cache).
 _SPLIT_CHUNK_ELEMS = 1 << 20
 

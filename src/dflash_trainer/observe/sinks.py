@@ -213,16 +213,16 @@ def wandb_init_kwargs(metrics_cfg, run_dir: Path) -> dict:
     `run_dir/wandb-run-id` with resume="allow": a resumed run (same run_dir) continues the same
     W&B run. WANDB_RUN_ID, when set, is the user's choice and is left to wandb."""
     kw: dict[str, Any] = {}
-    project = getattr(metrics_cfg, "wandb_project", "")
+    project = metrics_cfg.wandb_project
     if project:
         kw["project"] = project
     elif not os.environ.get("WANDB_PROJECT"):
         kw["project"] = DEFAULT_PROJECT
     for field, key in (("wandb_entity", "entity"), ("wandb_group", "group")):
-        value = getattr(metrics_cfg, field, "")
+        value = getattr(metrics_cfg, field)  # a field by name: MetricsConfig has both
         if value:
             kw[key] = value
-    tags = list(getattr(metrics_cfg, "wandb_tags", []) or [])
+    tags = list(metrics_cfg.wandb_tags)
     if tags:
         kw["tags"] = tags
     if not os.environ.get("WANDB_RUN_ID"):
@@ -445,8 +445,8 @@ def build_sinks(metrics_cfg, run_dir: str | Path, config_dict: dict | None = Non
                 project=None,
                 init_kwargs=wandb_init_kwargs(metrics_cfg, Path(run_dir)),
                 config=config_dict,
-                init_timeout_s=getattr(metrics_cfg, "wandb_init_timeout_s", 30.0),
-                finish_timeout_s=getattr(metrics_cfg, "wandb_finish_timeout_s", 30.0),
+                init_timeout_s=metrics_cfg.wandb_init_timeout_s,
+                finish_timeout_s=metrics_cfg.wandb_finish_timeout_s,
             )
         )
     if metrics_cfg.console:

@@ -56,6 +56,9 @@ import statistics
 import threading
 import time
 
+import torch
+
+from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
 
 TRIAL_STEPS = 8  # drafter steps per trial window (a few seconds on the embedded preset)
@@ -264,3 +267,23 @@ class CoreShare:
         if self.park and self.trial.windows:
             text += f"; {self.trial.summary()}"
         return text
+
+
+class DrafterTeam:
+    """The drafter worker's side of CoreShare, around each step: before it, the OpenMP team size
+    the share allows (every core while the target is parked or the batch came from the feature
+    cache); after it, the step's measured work. `threads`: the team size the worker's Stage set
+    at thread start."""
+
+    def __init__(self, cores: CoreShare, threads: int):
+        self.cores, self.threads = cores, threads
+
+    def before(self, from_cache: bool, counters: WorkerCounters) -> None:
+        want = self.cores.drafter_threads(from_cache)
+        if want != self.threads:  # this worker thread's OpenMP team size
+            torch.set_num_threads(want)
+            self.threads = want
+        counters.gauges["threads"] = want
+
+    def after(self, elapsed_ns: int, tokens: int, from_cache: bool) -> None:
+        self.cores.record("drafter", elapsed_ns, self.threads, tokens, from_cache)

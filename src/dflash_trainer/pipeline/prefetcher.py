@@ -96,7 +96,7 @@ class BatchPrefetcher(Stage):
         # Sample ids the first epoch (start[0]) leaves out; start[1] counts batches of that
         # reduced plan (see plan_skipping).
         self.skip_samples = list(skip_samples) if skip_samples else None
-        self.pad_id = int(getattr(dataset, "pad_id", 0))
+        self.pad_id = int(dataset.pad_id)
         # Batch composition (single writer: this thread).
         # Edges depend only on the lengths and the config, so they are fixed for the run.
         self.num_buckets = len(bucket_edges(dataset.lengths, batching_cfg)) + 1

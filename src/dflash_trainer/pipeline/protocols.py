@@ -10,14 +10,17 @@ only: nothing here runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from dflash_trainer.observe.counters import WorkerCounters
+from dflash_trainer.observe.profile import StepTimer
 from dflash_trainer.pipeline.messages import HiddenBatch, WorkItem
 from dflash_trainer.train.objective import StepOutput
+
+if TYPE_CHECKING:  # steps.py implements the step functions and imports this module
+    from dflash_trainer.pipeline.steps import StepMeter
 
 
 class Target(Protocol):
@@ -59,16 +62,17 @@ class TargetStepFn(Protocol):
     """One batch through the target: H2D, tapped forward, hand-off to the drafter device."""
 
     target: Target
+    timer: StepTimer  # its GPU time (CUDA), read by the monitor through the worker's counters
 
-    def __call__(self, item: WorkItem, counters: WorkerCounters | None = None) -> HiddenBatch: ...
+    def __call__(self, item: WorkItem, meter: StepMeter | None = None) -> HiddenBatch: ...
 
 
 class DrafterStepFn(Protocol):
     """One micro-batch of drafter training; True when it completed an optimizer step."""
 
-    def __call__(
-        self, hb: HiddenBatch, step: int, counters: WorkerCounters | None = None
-    ) -> bool: ...
+    timer: StepTimer  # its GPU time (CUDA), read by the monitor through the worker's counters
+
+    def __call__(self, hb: HiddenBatch, step: int, meter: StepMeter | None = None) -> bool: ...
 
 
 class Objective(Protocol):
@@ -93,3 +97,17 @@ class Objective(Protocol):
         generator: torch.Generator | None = None,
         target_hidden: torch.Tensor | None = None,
     ) -> StepOutput: ...
+
+
+class StepHooks(Protocol):
+    """What the drafter's step loop runs between optimizer steps (run/hooks.py RunHooks)."""
+
+    votes: bool  # torchrun: stop_vote is a collective every rank runs after every step
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step `step`: periodic checkpoint and evaluation."""
+        ...
+
+    def stop_vote(self) -> bool:
+        """True = every rank stops after this step (called only where `votes`)."""
+        ...

@@ -14,7 +14,6 @@ import torch
 from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.observe.profile import StepTimer
 from dflash_trainer.observe.scalars import ScalarRing
-from dflash_trainer.pipeline.cores import CoreShare
 from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.pipeline.messages import Batch, HiddenBatch, WorkItem
 from dflash_trainer.pipeline.protocols import Objective, Target
@@ -23,6 +22,35 @@ from dflash_trainer.train.optim import GuardedStep
 
 def _is_cuda(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
+
+
+class StepMeter:
+    """Where one worker's step time goes, kept outside the step: the worker starts it right
+    before the step, the step calls `lap(phase)` where each phase ends (and `gauge` for a Python
+    value), and the laps go to the worker's counters (None: a bare call, nothing recorded)."""
+
+    __slots__ = ("counters", "_t")
+
+    def __init__(self, counters: WorkerCounters | None = None):
+        self.counters = counters
+        self._t = time.perf_counter_ns()
+
+    def start(self) -> None:
+        self._t = time.perf_counter_ns()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter_ns()
+        if self.counters is not None:
+            self.counters.add_phase(phase, now - self._t)
+        self._t = now
+
+    def gauge(self, name: str, value: float) -> None:
+        if self.counters is not None:
+            self.counters.gauges[name] = value
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class TargetStep:
@@ -77,35 +105,27 @@ class TargetStep:
             lambda ids: self.target.features(ids, mask), seq_len=n, attention_mask=mask
         )
 
-    def __call__(self, item: WorkItem, counters: WorkerCounters | None = None) -> HiddenBatch:
+    def __call__(self, item: WorkItem, meter: StepMeter | None = None) -> HiddenBatch:
         b: Batch = item.batch
-        if self.cache is not None:
-            t0 = time.perf_counter_ns()
-            hit = self.cache.lookup(b, self.final_hidden)
-            if hit is not None:
-                if counters is not None:
-                    counters.add_phase("cache", time.perf_counter_ns() - t0)
-                return HiddenBatch(
-                    seq_no=item.seq_no,
-                    epoch=item.epoch,
-                    input_ids=b.input_ids,
-                    loss_mask=b.loss_mask,
-                    features=hit[0],
-                    sample_ids=b.sample_ids,
-                    num_real_tokens=b.num_real_tokens,
-                    target_hidden=hit[1],
-                    from_cache=True,
-                )
-        ctx = (
-            torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        )
-        if counters is not None and counters.gpu_timer is None:
-            counters.gpu_timer = self.timer
-        with ctx:
-            t0 = time.perf_counter_ns()
+        meter = meter if meter is not None else StepMeter()
+        hit = self.cache.lookup(b, self.final_hidden) if self.cache is not None else None
+        if hit is not None:
+            meter.lap("cache")
+            return HiddenBatch(
+                seq_no=item.seq_no,
+                epoch=item.epoch,
+                input_ids=b.input_ids,
+                loss_mask=b.loss_mask,
+                features=hit[0],
+                sample_ids=b.sample_ids,
+                num_real_tokens=b.num_real_tokens,
+                target_hidden=hit[1],
+                from_cache=True,
+            )
+        with _on(self.stream):
             tok = self.timer.start(self.stream)
             ids = b.input_ids.to(self.device, non_blocking=True)
-            t1 = time.perf_counter_ns()
+            meter.lap("h2d")
             # A plain causal mask on purpose: batches are right-padded, so under causal
             # attention no real token ever sees a pad, and pad positions are never anchors nor
             # visible context (kv < anchor <= last real token). Given a 2-D padding mask, or
@@ -116,7 +136,7 @@ class TargetStep:
                 feats, final = self.target.features(ids, mask, final=True)
             else:  # the two-argument call: targets wrapped by users need not know `final`
                 feats, final = self.target.features(ids, mask), None
-            t2 = time.perf_counter_ns()
+            meter.lap("forward")
             feats = feats.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
             if final is not None:
                 final = final.to(self.drafter_device, dtype=self.feature_dtype, non_blocking=True)
@@ -129,11 +149,7 @@ class TargetStep:
             if self.stream is not None:
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            t3 = time.perf_counter_ns()
-        if counters is not None:
-            counters.add_phase("h2d", t1 - t0)
-            counters.add_phase("forward", t2 - t1)
-            counters.add_phase("handoff", t3 - t2)
+            meter.lap("handoff")
         return HiddenBatch(
             seq_no=item.seq_no,
             epoch=item.epoch,
@@ -185,32 +201,36 @@ class DrafterStep:
         self.stream = torch.cuda.current_stream(self.device) if _is_cuda(self.device) else None
         self.timer = StepTimer(self.device)
         self.micro = 0
-        self.cores: CoreShare | None = None  # CPU pipelines (share_cores)
-        self._threads_now = 0
 
-    def share_cores(self, cores: CoreShare, threads: int) -> None:
-        """CPU pipelines: take every core on the steps `cores` allows (pipeline/cores.py);
-        `threads` is the team size the worker's Stage set at thread start."""
-        self.cores, self._threads_now = cores, threads
+    def _wait_for(self, hb: HiddenBatch) -> None:
+        """CUDA: this stream waits on the producer's event and records its use of the tensors
+        (record_stream), so their memory outlives this step's use."""
+        if hb.ready_event is None:
+            return
+        assert self.stream is not None  # events exist on CUDA only
+        self.stream.wait_event(hb.ready_event)
+        for t in (hb.features, hb.input_ids, hb.loss_mask, hb.target_hidden):
+            if t is not None:
+                t.record_stream(self.stream)
 
-    def __call__(self, hb: HiddenBatch, step: int, counters: WorkerCounters | None = None) -> bool:
+    def _push_metrics(self, step: int, out, grad_norm: torch.Tensor) -> None:
+        """The step's scalars into the ring, on the device (observe/scalars.py)."""
+        if self.ring is None:  # observability switched off
+            return
+        vec = torch.cat(
+            [
+                out.metrics.detach().float().reshape(-1),
+                grad_norm.float().reshape(1),
+                self.optim_step.skipped.reshape(1),
+                self.optim_step.consecutive.reshape(1),
+            ]
+        )
+        self.ring.push(step + 1, vec)
+
+    def __call__(self, hb: HiddenBatch, step: int, meter: StepMeter | None = None) -> bool:
         """Consume one micro-batch. Returns True when it completed an optimizer step."""
-        if hb.ready_event is not None:
-            assert self.stream is not None  # events exist on CUDA only
-            self.stream.wait_event(hb.ready_event)
-            for t in (hb.features, hb.input_ids, hb.loss_mask, hb.target_hidden):
-                if t is not None:
-                    t.record_stream(self.stream)
-        if counters is not None and counters.gpu_timer is None:
-            counters.gpu_timer = self.timer
-        if self.cores is not None:
-            want = self.cores.drafter_threads(hb.from_cache)
-            if want != self._threads_now:  # this worker thread's OpenMP team size
-                torch.set_num_threads(want)
-                self._threads_now = want
-            if counters is not None:
-                counters.gauges["threads"] = want
-        t0 = time.perf_counter_ns()
+        meter = meter if meter is not None else StepMeter()
+        self._wait_for(hb)
         tok = self.timer.start(self.stream)
         ac = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -220,7 +240,7 @@ class DrafterStep:
         stepped = (self.micro + 1) % self.grad_accum == 0
         # DDP: only the micro-step that completes an optimizer step all-reduces gradients; the
         # others accumulate locally (forward and backward must both run inside no_sync).
-        no_sync = getattr(self.drafter, "no_sync", None)
+        no_sync = getattr(self.drafter, "no_sync", None)  # DDP's, absent on a bare module
         sync_ctx = no_sync() if (no_sync is not None and not stepped) else contextlib.nullcontext()
         with sync_ctx:
             with ac:
@@ -234,32 +254,15 @@ class DrafterStep:
                     self.generator,
                     hb.target_hidden,
                 )
-            t1 = time.perf_counter_ns()
+            meter.lap("drafter_fwd")
             (out.loss / self.grad_accum).backward()
-        t2 = time.perf_counter_ns()
+        meter.lap("drafter_bwd")
         self.micro += 1
         if stepped:
             grad_norm, _ = self.optim_step(out.loss)
             self.sched.step()
-            if self.ring is not None:  # None only when observability is switched off
-                vec = torch.cat(
-                    [
-                        out.metrics.detach().float().reshape(-1),
-                        grad_norm.float().reshape(1),
-                        self.optim_step.skipped.reshape(1),
-                        self.optim_step.consecutive.reshape(1),
-                    ]
-                )
-                self.ring.push(step + 1, vec)
-            if counters is not None:
-                counters.gauges["lr"] = float(self.sched.get_last_lr()[0])  # a Python float
+            self._push_metrics(step, out, grad_norm)
+            meter.gauge("lr", float(self.sched.get_last_lr()[0]))  # a Python float
         self.timer.stop(tok, self.stream)
-        t3 = time.perf_counter_ns()
-        if self.cores is not None:
-            tokens = hb.input_ids.numel()  # a shape: no device read
-            self.cores.record("drafter", t3 - t0, self._threads_now, tokens, hb.from_cache)
-        if counters is not None:
-            counters.add_phase("drafter_fwd", t1 - t0)
-            counters.add_phase("drafter_bwd", t2 - t1)
-            counters.add_phase("drafter_opt", t3 - t2)
+        meter.lap("drafter_opt")
         return stepped

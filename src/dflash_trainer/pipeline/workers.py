@@ -11,17 +11,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
 from dflash_trainer.checkpoint import TrainState
 from dflash_trainer.observe.counters import WorkerCounters
-from dflash_trainer.pipeline.cores import CoreShare
+from dflash_trainer.pipeline.cores import CoreShare, DrafterTeam
 from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkItem
-from dflash_trainer.pipeline.protocols import DrafterStepFn, TargetStepFn
+from dflash_trainer.pipeline.protocols import DrafterStepFn, StepHooks, TargetStepFn
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.stage import Stage
+from dflash_trainer.pipeline.steps import StepMeter
 from dflash_trainer.train.budget import TimeBudget
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class TargetWorker(Stage):
 
     def _loop(self) -> None:
         c = self.counters
+        c.gpu_timer = self.step_fn.timer
+        meter = StepMeter(c)
         for item in self.items(self.work_q):
             assert isinstance(item, WorkItem), type(item)
             if self.cores is not None:
@@ -105,7 +107,8 @@ class TargetWorker(Stage):
             c.begin_busy(t1)
             # (the lock: the eval loop borrows the target between steps)
             with self.lock, self.guard("target", item.batch.input_ids.shape, c.steps):
-                hb = self.step_fn(item, c)
+                meter.start()
+                hb = self.step_fn(item, meter)
             t2 = time.perf_counter_ns()
             c.end_busy(t2)
             if self.cores is not None:  # thread-ns, borrowed cores included
@@ -124,12 +127,14 @@ class TargetWorker(Stage):
 class StepLoop:
     """The drafter side of the step loop, shared by the drafter worker and the sequential
     worker: runs the step function on each HiddenBatch and keeps the training position (for
-    exact resume), the sample ledger, and the between-steps hooks (run by the thread that owns
+    exact resume), the sample ledger, and runs the between-steps hooks (on the thread that owns
     the drafter).
 
-    `on_step_end(step)`: after every optimizer step (periodic checkpoint / eval), or None.
-    `stop_vote()`: torchrun only, a collective run after every optimizer step on every rank (all
-    ranks stop after the same step); True = stop now. None in a single process.
+    `hooks` (protocols.StepHooks, or None): `on_step_end(step)` after every optimizer step
+    (periodic checkpoint / eval); where `hooks.votes` (torchrun), `stop_vote()`, a collective
+    every rank runs after every optimizer step (all ranks stop after the same step).
+    `ledger`: the list the (epoch, sample ids) of each batch are appended to; the checkpoint
+    takes them (shared with the hooks).
     `budget`: a train.budget.TimeBudget (optim.time_budget_s), started at the first step; the
     loop ends after the step that spends it (under torchrun the stop vote carries it instead).
     """
@@ -140,19 +145,22 @@ class StepLoop:
         step_fn: DrafterStepFn,
         state: TrainState,
         max_steps: int,
-        on_step_end: Callable[[int], None] | None = None,
-        stop_vote: Callable[[], bool] | None = None,
+        hooks: StepHooks | None = None,
+        ledger: list[tuple[int, list[int]]] | None = None,
         queries_per_row: int = 0,
         budget: TimeBudget | None = None,
+        team: DrafterTeam | None = None,
     ):
         self.step_fn = step_fn
+        self.team = team  # CPU pipelines with share_cores: the drafter's OpenMP team per step
         self.budget = budget
         self.state = state
         self.max_steps = max_steps
-        self.on_step_end = on_step_end
-        self.stop_vote = stop_vote
+        self.hooks = hooks
+        self.votes = hooks is not None and hooks.votes
         self.stopped_by_vote = False
-        self.ledger: list[tuple[int, list[int]]] = []  # (epoch, sample ids) since last drain
+        # (epoch, sample ids) since the last checkpoint took them
+        self.ledger: list[tuple[int, list[int]]] = [] if ledger is None else ledger
         self.queries_per_row = queries_per_row  # anchors x block size (drafter FLOP counting)
 
     def consume(self, hb: HiddenBatch, counters: WorkerCounters) -> bool:
@@ -163,9 +171,17 @@ class StepLoop:
             self.state.consumed_samples = []
         if self.budget is not None:
             self.budget.start()
-        counters.begin_busy(time.perf_counter_ns())
-        stepped = self.step_fn(hb, self.state.step, counters)
-        counters.end_busy(time.perf_counter_ns())
+        if counters.gpu_timer is None:
+            counters.gpu_timer = self.step_fn.timer
+        if self.team is not None:
+            self.team.before(hb.from_cache, counters)
+        t0 = time.perf_counter_ns()
+        counters.begin_busy(t0)
+        stepped = self.step_fn(hb, self.state.step, StepMeter(counters))
+        t1 = time.perf_counter_ns()
+        counters.end_busy(t1)
+        if self.team is not None:  # the token count is a shape: no device read
+            self.team.after(t1 - t0, hb.input_ids.numel(), hb.from_cache)
         self.state.consumed.append(hb.seq_no)
         self.state.micro_step += 1
         self.state.tokens += hb.num_real_tokens
@@ -180,14 +196,14 @@ class StepLoop:
         if stepped:
             self.state.step += 1
             counters.steps += 1
-            if self.on_step_end is not None:
-                self.on_step_end(self.state.step)
-            if self.stop_vote is not None and self.stop_vote():
+            if self.hooks is not None:
+                self.hooks.on_step_end(self.state.step)
+            if self.votes and self.hooks is not None and self.hooks.stop_vote():
                 self.stopped_by_vote = True
                 counters.beat()
                 return False
         counters.beat()
-        if stepped and self.stop_vote is None and self.budget is not None and self.budget.spent():
+        if stepped and not self.votes and self.budget is not None and self.budget.spent():
             return False
         return not (self.max_steps and self.state.step >= self.max_steps)
 
@@ -256,7 +272,7 @@ class SequentialWorker(Stage):
         for item in self.items(self.work_q):
             shape = item.batch.input_ids.shape
             with self.lock, self.guard("target", shape, c.steps):
-                hb = self.target_step(item, None)
+                hb = self.target_step(item)
             with self.guard("drafter", shape, c.steps):
                 more = self.step_loop.consume(hb, c)
             if not more:

@@ -125,7 +125,7 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
     if cfg.drafter.init_from:
         return warm_start(cfg.drafter.init_from, cfg.drafter, target).to(device)
     dcfg = DFlashConfig.from_configs(cfg.drafter, target)
-    torch.manual_seed(cfg.pipeline.seed)
+    torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg)
     if cfg.drafter.init == "target":
         try:
@@ -151,8 +151,9 @@ def require_sources(cfg: Config) -> None:
     if not cfg.data.sources:
         raise UserError(
             "no training data: data.sources is empty (the qwen3-8b preset names none on purpose). "
-            "Answer your prompts with the target first (dflash-trainer generate --prompts "
-            "PROMPTS.jsonl --output ANSWERS.jsonl, same --preset), then pass "
+            "Answer your prompts with the target first (dflash-trainer generate "
+            "--generate.prompts=PROMPTS.jsonl --generate.out=ANSWERS.jsonl, same --preset), "
+            "then pass "
             "--data.sources=ANSWERS.jsonl (a list: a.jsonl,b.jsonl@2; JSONL/JSON/Parquet or a "
             "saved HF dataset dir; 'embedded' = the built-in MT-Bench + HumanEval prompts)."
         )
@@ -253,7 +254,7 @@ def build_run(
     run_dir = Path(cfg.run_dir)
     resume_from = claim_run_dir(cfg, rank)
     run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.pipeline.seed)
+    torch.manual_seed(cfg.seed)
     p = cfg.pipeline
     device = torch.device(p.drafter_device)
     target, train_set, heldout = load_inputs(cfg, target, train_set, heldout)
@@ -268,7 +269,7 @@ def build_run(
     plan = None
     if cfg.checkpoint.resume or resume_from is not None:
         plan = ckpt.plan_resume(
-            run_dir, rank=rank, world_size=world_size, seed=p.seed, checkpoint=resume_from
+            run_dir, rank=rank, world_size=world_size, seed=cfg.seed, checkpoint=resume_from
         )
     total_steps = plan_total_steps(cfg, train_set.lengths, plan, rank, world_size)
     lr_segments = ckpt.lr_segments(plan, total_steps)
@@ -276,7 +277,7 @@ def build_run(
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps, lr_segments, budget)
     optim_step = GuardedStep(optimizer, drafter.parameters(), cfg.optim.grad_clip, device)
     generator = torch.Generator(device=device)
-    generator.manual_seed(p.seed * 1000003 + rank)
+    generator.manual_seed(cfg.seed * 1000003 + rank)
     config_dict = to_dict(cfg)
     state = TrainState(consumed=[])
     if plan is not None:

@@ -2,7 +2,7 @@
 
 The held-out side of the data (data/prepare.py) has two roles:
 - validation: a small stratified subset. Periodic evaluation (every eval.every_steps) decodes a
-  fixed, seeded, stratified subset of it (eval.num_prompts, chosen once and named in the log),
+  fixed, seeded, stratified subset of it (eval.periodic_prompts, chosen once and named in the log),
   and the best drafter by that tau is exported to `{run_dir}/best`;
 - report: everything else. At the end of a run (eval.at_end) every report prompt is decoded:
   tau per source and overall (`eval/tau`, `eval/tau/<source>`). It never selects anything.
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, targe
 from dflash_trainer.eval.engines import EvalRun, ProjectLoop, comparison_engine
 from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
+from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import export_drafter, export_dtype, load_drafter
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ def heldout_examples(heldout, cfg: Config) -> list[HeldoutPrompt]:
     if heldout is None or len(heldout) == 0:
         return []
     sources = heldout.sources or ["data"] * len(heldout)
-    roles = heldout.roles or split_roles(heldout.ids, sources, cfg.eval, cfg.pipeline.seed)
+    roles = heldout.roles or split_roles(heldout.ids, sources, cfg.eval, cfg.seed)
     out = []
     for cid, src, role, ids, mask in zip(
         heldout.ids, sources, roles, heldout.input_ids, heldout.loss_mask
@@ -87,7 +86,7 @@ class PeriodicEval:
         ex = heldout_examples(heldout, cfg)
         self.validation = [e for e in ex if e.role == VALIDATION]
         self.report = [e for e in ex if e.role == REPORT]
-        self.periodic = periodic_subset(self.validation, cfg.eval.num_prompts, cfg.pipeline.seed)
+        self.periodic = periodic_subset(self.validation, cfg.eval.periodic_prompts, cfg.seed)
         self.prompts = [e.prompt for e in self.periodic]
         self.best = float("-inf")
         self.last_step = -1
@@ -100,7 +99,7 @@ class PeriodicEval:
                 "source): %s",
                 len(self.periodic),
                 len(self.validation),
-                cfg.pipeline.seed,
+                cfg.seed,
                 ", ".join(e.id for e in self.periodic),
             )
         elif cfg.eval.every_steps:
@@ -232,9 +231,7 @@ class PeriodicEval:
             (tmp / "eval.json").write_text(
                 json.dumps({"step": step, "tau": tau, "prompt_set": VALIDATION})
             )
-            if (self.run_dir / "best").exists():
-                shutil.rmtree(self.run_dir / "best")
-            os.replace(tmp, self.run_dir / "best")
+            replace_dir(tmp, self.run_dir / "best")
             rec["eval/best_tau"] = self.best
         return rec
 

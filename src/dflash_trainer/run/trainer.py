@@ -4,51 +4,41 @@ The data flow, the stage table and the shutdown protocol are in pipeline/runtime
 BatchPrefetcher (pipeline/prefetcher.py) -> work_q -> TargetWorker (pipeline/workers.py) running
 TargetStep (pipeline/steps.py) -> hs_q -> DrafterWorker -> StepLoop -> DrafterStep ->
 DFlashObjective (train/objective.py) -> GuardedStep (train/optim.py).
-Between optimizer steps the drafter thread calls `Trainer.on_step_end` (checkpoint, periodic eval)
-and, under torchrun, `Trainer.stop_vote`.
-
-Reference cycles: the step loop, the checkpoint writer and the supervisor hold bound methods of
-the Trainer, which holds them. Such a cycle keeps the drafter, optimizer and head copies alive
-until the next full GC (a soak calling train() repeatedly saw RSS climb by ~230 MB per call), so
-`run()` cuts every one of them on the way out (`_release`); test_pipeline checks it.
+Between optimizer steps the drafter thread runs the run's hooks (run/hooks.py: periodic
+checkpoint and evaluation, and under torchrun the stop vote); the supervisor ticks them too. The
+hooks hold only what they use, never the Trainer: no reference cycle keeps a finished run alive.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dflash_trainer.checkpoint import (
     AsyncCheckpointWriter,
     contiguous_prefix,
-    snapshot_checkpoint,
-    step_of,
 )
 from dflash_trainer.config import Config
 from dflash_trainer.eval.served import parity_gate
-from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import (
     export_drafter,
     export_dtype,
-    export_weights,
     training_record,
 )
 from dflash_trainer.observe.balance import assess as assess_balance
 from dflash_trainer.observe.flops import FlopsModel
 from dflash_trainer.observe.monitor import Monitor
-from dflash_trainer.observe.progress import console_above_bar, progress_bar
-from dflash_trainer.observe.ranks import MergingSink, merge_snapshots, rank_snapshot
+from dflash_trainer.observe.progress import console_above_bar
+from dflash_trainer.observe.ranks import MergingSink, merge_snapshots
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.observe.sinks import build_sinks
+from dflash_trainer.pipeline.cores import DrafterTeam
 from dflash_trainer.pipeline.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
@@ -69,6 +59,7 @@ from dflash_trainer.run.build import (
     thread_split,
 )
 from dflash_trainer.run.evaluation import PeriodicEval
+from dflash_trainer.run.hooks import CheckpointExport, CheckpointLogged, RunHooks
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +76,10 @@ class RecordingRing:
     @property
     def dropped(self) -> int:
         return self.ring.dropped
+
+    def consecutive_skips(self) -> float:
+        """The latest count of consecutive skipped optimizer steps (the supervisor's check)."""
+        return self.last.get("consecutive_skips", 0.0)
 
     def drain(self, limit=None):
         out = self.ring.drain(limit)
@@ -138,24 +133,6 @@ class TrainResult:
     steady_tok_s: float = 0.0
 
 
-class SteadyRate:
-    """Tokens/s between the first and the latest optimizer step (TrainResult.steady_tok_s)."""
-
-    def __init__(self):
-        self.first: tuple[float, int] | None = None  # (time s, tokens so far)
-        self.last: tuple[float, int] | None = None
-
-    def mark(self, now: float, tokens: int) -> None:
-        if self.first is None:
-            self.first = (now, tokens)
-        self.last = (now, tokens)
-
-    def rate(self) -> float:
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
-            return 0.0
-        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
-
-
 def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler:
     """Full tracebacks go to {run_dir}/train.log; the console gets one-line messages."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,18 +160,6 @@ def check_taps(cfg: Config, step: TargetStep, name: str) -> None:
     )
 
 
-def _postfix(snap: dict) -> str:
-    parts = []
-    for key, label, fmt in (
-        ("drafter/loss", "loss", "{:.3f}"),
-        ("drafter/accept_len", "acc_len", "{:.2f}"),
-        ("tput/drafter_tok_s", "tok/s", "{:.0f}"),
-    ):
-        if key in snap:
-            parts.append(f"{label}={fmt.format(snap[key])}")
-    return " ".join(parts)
-
-
 class Trainer:
     """One run: the drafter step, the step loop, the stage threads, the monitor and the
     supervisor, built from `parts`; `run()` trains, checkpoints, evaluates and exports.
@@ -209,43 +174,50 @@ class Trainer:
         self.rank, self.run_dir = parts.rank, parts.run_dir
         self.start_steps = parts.state.step
         self.recorder, self.drafter_step = self._build_drafter_step()
+        self.logged = CheckpointLogged()
         self.writer = AsyncCheckpointWriter(
             parts.run_dir,
             keep_last=cfg.checkpoint.keep_last,
-            export_fn=self._export_weights,
-            on_done=self._checkpoint_written,
+            export_fn=CheckpointExport(cfg, parts),
+            on_done=self.logged,
             timeout_s=cfg.checkpoint.write_timeout_s,
         )
         self.target_lock = threading.Lock()  # the target worker and the periodic eval share it
         self.evaluator = PeriodicEval(
             cfg, parts.target, parts.drafter, parts.heldout, parts.run_dir, self.target_lock
         )
+        self.events: queue.Queue = queue.Queue()
+        self.signals = SignalGuard()
+        ledger: list = []
+        self.hooks = RunHooks(
+            cfg,
+            parts,
+            ledger=ledger,
+            writer=self.writer,
+            evaluator=self.evaluator,
+            events=self.events,
+            dist=dist,
+            signals=self.signals,
+        )
         self.loop = StepLoop(
             step_fn=self.drafter_step,
             state=parts.state,
             max_steps=parts.total_steps,
-            on_step_end=self.on_step_end,
-            stop_vote=self.stop_vote if dist is not None else None,
+            hooks=self.hooks,
+            ledger=ledger,
             queries_per_row=cfg.drafter.num_anchors * cfg.drafter.block_size,
             budget=parts.budget,
         )
-        self.events: queue.Queue = queue.Queue()
         self.stop = threading.Event()
         self.done = threading.Event()
         self._build_stages()
         self.own_monitor = monitor is None
         self.mon = self._build_monitor(monitor)
-        self.bar = None
+        self.hooks.mon = self.logged.mon = self.mon
+        self.hooks.counters = self.threads[-1].counters
         if observe and self.rank == 0 and cfg.metrics.console:
-            # With a time budget the step count is not known in advance (total_steps is only
-            # the epochs' cap): the bar counts steps and its postfix shows the time left.
-            self.bar = progress_bar(
-                None if parts.budget is not None else parts.total_steps,
-                initial=self.start_steps,
-                desc="train",
-                unit="step",
-            )
-        self.signals = SignalGuard()
+            self.hooks.progress(self.start_steps)
+        self.bar = self.hooks.bar
         p = cfg.pipeline
         self.sup = Supervisor(
             threads=self.threads,
@@ -257,13 +229,12 @@ class Trainer:
             deadline_s=p.shutdown_deadline_s,
             stall_timeout_s=p.stall_timeout_s,
             max_consecutive_skips=cfg.optim.max_consecutive_skips,
-            consecutive_skips=self._consecutive_skips,
-            on_tick=self.on_tick,
+            consecutive_skips=self.recorder.consecutive_skips,
+            on_tick=self.hooks.on_tick,
             # torchrun: a signal only feeds the stop vote (all ranks stop together)
             signals=self.signals if dist is None else None,
         )
         self.t0 = time.monotonic()
-        self.steady = SteadyRate()
 
     # ------------------------------------------------------------------ building
     def _build_drafter_step(self) -> tuple[RecordingRing, DrafterStep]:
@@ -364,7 +335,7 @@ class Trainer:
                 )
             )
         if self.cores is not None:
-            self.drafter_step.share_cores(self.cores, d_threads)
+            self.loop.team = DrafterTeam(self.cores, d_threads)
         self.threads.append(
             DrafterWorker(
                 "drafter0",
@@ -408,128 +379,9 @@ class Trainer:
             rank=self.rank,
         )
 
-    # ------------------------------------------------------------------ callbacks
-    def _export_weights(self, out_dir, weights) -> None:
-        # training.json: the target and the training config, so `eval --drafter` needs no preset
-        step = step_of(Path(Path(out_dir).parent.name.split(".tmp-")[0]))  # step-N.tmp-PID/
-        record = training_record(self.parts.config_dict, step=step)
-        dtype = export_dtype(self.cfg.checkpoint.export_dtype)
-        export_weights(self.parts.drafter.config, weights, out_dir, dtype, training=record)
-
-    def _checkpoint_written(self, path: Path, snap) -> None:
-        """After the checkpoint is on disk (writer thread when async): the ledger entries it
-        covers, then the event. The ledger never runs ahead of a complete checkpoint."""
-        if snap.ledger:
-            with open(self.run_dir / "ledger.jsonl", "a", encoding="utf-8") as f:
-                for epoch, ids in snap.ledger:
-                    f.write(json.dumps({"epoch": epoch, "samples": ids}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        self.mon.log_event({"event/checkpoint_step": snap.step}, snap.step)
-
-    def _consecutive_skips(self) -> float:
-        return self.recorder.last.get("consecutive_skips", 0.0)
-
-    def on_step_end(self, step: int) -> None:
-        """Drafter thread, after optimizer step `step`: periodic checkpoint and evaluation."""
-        cfg = self.cfg
-        self.steady.mark(time.monotonic(), self.loop.state.tokens)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-            self.checkpoint_now(background=True)
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and self.rank == 0:
-            rec = self.evaluator.run(step)
-            if rec:
-                self.mon.log_event(rec, step)
-
-    def stop_vote(self) -> bool:
-        """torchrun: all ranks stop after the same optimizer step (a MAX vote of "signal")."""
-        budget = self.parts.budget
-        spent = budget is not None and budget.spent()
-        return self.dist.agree_stop(self.signals.requested.is_set() or spent)
-
-    def _publish(self, final: bool = False) -> None:
-        snap = rank_snapshot(
-            self.loop.state,
-            self.mon.latest(),
-            self.threads[-1].counters,
-            time.monotonic() - self.t0,
-            final=final,
-        )
-        self.dist.publish(snap)
-
-    def on_tick(self) -> None:
-        """Main thread, every supervisor tick."""
-        if self.dist is not None:
-            self._publish()
-            self.dist.check_peers(self.events)  # a peer's failure stops this rank, naming it
-        if self.bar is not None:
-            self.bar.n = self.loop.state.step
-            post = _postfix(self.mon.latest())
-            budget = self.parts.budget
-            if budget is not None:
-                post += f" left={max(0.0, budget.seconds - budget.used()):.0f}s"
-            self.bar.set_postfix_str(post.strip(), refresh=False)
-            self.bar.refresh()
-
-    # ------------------------------------------------------------------ checkpoints
-    def _gather_ranks(self) -> tuple[dict, dict | None, list | None]:
-        """torchrun: every rank calls this after the same step (DDP + the stop vote keep them
-        in lockstep): gather positions, anchor RNG states and ledgers to rank 0."""
-        loop = self.loop
-        parts = self.dist.gather_to_main(
-            {
-                "state": loop.state.to_json(),
-                "generator": self.parts.generator.get_state(),
-                "ledger": loop.ledger,
-            }
-        )
-        loop.ledger = []
-        if self.rank != 0:
-            return {}, None, None
-        gathered = [e for part in parts for e in part["ledger"]]
-        meta = {"world_size": self.parts.world_size, "ranks": [q["state"] for q in parts]}
-        return meta, {"rank_generators": [q["generator"] for q in parts]}, gathered
-
     def checkpoint_now(self, background: bool = False) -> Path | None:
-        """Snapshot the state at this step boundary and write it: in the background when asked
-        and enabled (periodic checkpoints), else before returning (the last one, signals)."""
-        parts, loop = self.parts, self.loop
-        extra_meta: dict[str, Any] = {}
-        extra_blob, gathered = None, None
-        if self.dist is not None:
-            extra_meta, extra_blob, gathered = self._gather_ranks()
-        if self.rank != 0:
-            return None
-        extra_meta["total_steps"] = parts.total_steps  # the LR schedule (checkpoint.lr_segments)
-        extra_meta["lr_segments"] = parts.lr_segments
-        if parts.budget is not None:
-            extra_meta["budget_used_s"] = parts.budget.used()
-        plan = parts.resume
-        if (
-            plan is not None
-            and plan.epoch_skip is not None
-            and loop.state.epoch == plan.state.epoch
-        ):
-            extra_meta["epoch_skip"] = {"epoch": plan.state.epoch, "samples": plan.epoch_skip}
-        ledger, loop.ledger = loop.ledger, []
-        if gathered is not None:  # torchrun: every rank's entries, gathered to rank 0
-            ledger = gathered
-        self.writer.wait()  # the previous write lands first: one snapshot in host memory
-        snap = snapshot_checkpoint(
-            drafter=parts.drafter,
-            optimizer=parts.optimizer,
-            scheduler=parts.scheduler,
-            generator=parts.generator,
-            state=loop.state,
-            config=parts.config_dict,
-            extra_meta=extra_meta,
-            extra_blob=extra_blob,
-            ledger=ledger,
-        )
-        self.writer.submit(snap)
-        if background and self.cfg.checkpoint.async_write:
-            return None
-        return self.writer.wait()
+        """A checkpoint of this step boundary (RunHooks.checkpoint_now)."""
+        return self.hooks.checkpoint_now(background)
 
     # ------------------------------------------------------------------ running
     def _supervise(self) -> str:
@@ -623,19 +475,10 @@ class Trainer:
     def _export_final(self) -> Path | None:
         if self.rank != 0:
             return None
-        export_dir = self.run_dir / "export"
-        tmp = self.run_dir / "export.tmp"
         record = training_record(self.parts.config_dict, step=self.loop.state.step)
         dtype = export_dtype(self.cfg.checkpoint.export_dtype)
-        export_drafter(self.parts.drafter, tmp, dtype, training=record)
-        replace_dir(tmp, export_dir)
-        return export_dir
-
-    def _release(self) -> None:
-        """Cut the callbacks that point back at this object (see the module docstring)."""
-        self.loop.on_step_end = self.loop.stop_vote = None
-        self.writer.on_done = self.writer.export_fn = None
-        self.sup.on_tick = self.sup.consecutive_skips = None
+        # export_drafter replaces the directory atomically itself
+        return export_drafter(self.parts.drafter, self.run_dir / "export", dtype, training=record)
 
     def run(self) -> TrainResult:
         merged: dict = {}
@@ -647,7 +490,7 @@ class Trainer:
             balance = self._report_balance()
             # The drafter thread has stopped: its state is consistent. Checkpoint + export.
             if self.dist is not None:  # final snapshot; the checkpoint gather then orders it
-                self._publish(final=True)
+                self.hooks.publish(final=True)
             ck = self.checkpoint_now()
             if self.dist is not None and self.rank == 0:
                 merged.update(merge_snapshots(self.dist.snapshots(), self.parts.world_size))
@@ -671,7 +514,6 @@ class Trainer:
             if self.own_monitor:
                 self.mon.close()
             self.evaluator.close()
-            self._release()
         st = self.loop.state
         return TrainResult(
             run_dir=self.run_dir,
@@ -686,7 +528,7 @@ class Trainer:
             balance=balance,
             eval=final_eval,
             train_s=train_s,
-            steady_tok_s=self.steady.rate(),
+            steady_tok_s=self.hooks.steady.rate(),
         )
 
 

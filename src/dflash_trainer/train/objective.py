@@ -68,8 +68,6 @@ class DFlashObjective:
     ):
         if block_size < 2:
             raise ValueError("block_size must be >= 2")
-        if weighting not in ("decay", "dpace"):
-            raise ValueError(f"weighting must be 'decay' or 'dpace', got {weighting!r}")
         if not 0.0 < dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {dpace_alpha}")
         if not 0.0 <= kd_weight <= 1.0:
