@@ -51,9 +51,9 @@ class Memorised:
     t_train: float  # seconds: train() including its export
 
 
-def memorise(root: Path) -> Memorised:
+def memorise(root: Path, extra_flags: tuple[str, ...] = ()) -> Memorised:
     """Train the drafter into `root`/run; skips the calling test when the embedded target or
-    prompts are not installed."""
+    prompts are not installed. `extra_flags`: more config flags (e.g. the drafter variant)."""
     t0 = time.monotonic()
     flags = [
         "--target.dtype=float32",
@@ -70,6 +70,7 @@ def memorise(root: Path) -> Memorised:
         "--metrics.tensorboard=false",
         "--metrics.console=false",
         "--pipeline.cpu_threads=2",
+        *extra_flags,
     ]
     cfg = load_config("smollm2-cpu", None, flags)
     try:

@@ -161,6 +161,12 @@ PINNED_KEYS = {
         "kd_temperature",
         "loss_slots",
         "hidden_weight",
+        "variant",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "selector_weight",
     ],
     "optim": [
         "lr",

@@ -132,7 +132,7 @@ class OracleDrafter:
             out[0, k, 0] = tok
         return out
 
-    def propose(self, hidden, lm_head):
+    def propose(self, hidden, lm_head, anchor_ids):
         return lm_head(hidden).argmax(-1)
 
 

@@ -273,6 +273,40 @@ class DrafterConfig:
         "the LM head, so this matches the whole distribution at no LM-head cost); 0 = off",
         min=0.0,
     )
+    # DFlash2 (docs/dflash2.md): the same drafter plus convolutions and a candidate selector
+    variant: str = _f(
+        "dflash",
+        "drafter variant: dflash, or dflash2 = DFlash plus a grouped dynamic causal convolution "
+        "within the block around every attention and MLP sublayer and a low-rank candidate "
+        "selector that rescores each slot's top-k given the previous slot's token (exported as "
+        "DFlash2DraftModel; both start neutral, so init_from a DFlash export drafts as it did)",
+        choices=("dflash", "dflash2"),
+    )
+    conv_kernel_size: int = _f(
+        2,
+        "dflash2: convolution taps (this slot and the ones before it in the block)",
+        unit="slots",
+        min=1,
+        max=64,
+    )
+    conv_group_size: int = _f(
+        16,
+        "dflash2: channels that share one dynamic convolution coefficient; divides the hidden size",
+        unit="channels",
+        min=1,
+    )
+    selector_rank: int = _f(256, "dflash2: rank of the selector's codebooks", min=1)
+    selector_top_k: int = _f(
+        16,
+        "dflash2: candidates per slot the selector rescores (the LM head's top k)",
+        unit="tokens",
+        min=1,
+    )
+    selector_weight: float = _f(
+        1.0,
+        "dflash2: weight of the selector's loss (teacher-forced k-way CE) beside the block loss",
+        min=0.0,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

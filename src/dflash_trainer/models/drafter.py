@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.models import dflash2
 from dflash_trainer.models.attention import block_attention
 from dflash_trainer.models.target_layout import (
     SHAPE_FIELDS,
@@ -61,6 +62,12 @@ class DFlashConfig:
     attention: str = "auto"  # auto | split | dense | flex (training attention)
     init_std: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on export
+    # dflash2 (models/dflash2.py): convolutions around each sublayer + the candidate selector
+    variant: str = "dflash"
+    conv_kernel_size: int = dflash2.DEFAULT_CONV_KERNEL_SIZE
+    conv_group_size: int = dflash2.DEFAULT_CONV_GROUP_SIZE
+    selector_rank: int = dflash2.DEFAULT_SELECTOR_RANK
+    selector_top_k: int = dflash2.DEFAULT_SELECTOR_TOP_K
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -71,6 +78,22 @@ class DFlashConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.variant not in dflash2.VARIANTS:
+            raise ValueError(f"variant={self.variant!r} is not one of {dflash2.VARIANTS}")
+        if self.is_dflash2:
+            dflash2.check_shape(
+                self.hidden_size,
+                self.block_size,
+                self.vocab_size,
+                self.conv_kernel_size,
+                self.conv_group_size,
+                self.selector_rank,
+                self.selector_top_k,
+            )
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.variant == "dflash2"
 
     @property
     def num_features(self) -> int:
@@ -87,6 +110,13 @@ class DFlashConfig:
         if not all(pick.values()):  # read the target's only where asked to
             shapes = target_shapes(tcfg)
             pick = {k: v or shapes[k] for k, v in pick.items()}
+        try:
+            return cls._from_configs(drafter_cfg, target, tcfg, pick)
+        except ValueError as e:
+            raise UserError(f"drafter settings: {e}; change the drafter.* key it names.") from None
+
+    @classmethod
+    def _from_configs(cls, drafter_cfg, target, tcfg, pick) -> DFlashConfig:
         return cls(
             hidden_size=int(target.hidden_size),
             num_layers=drafter_cfg.num_layers,
@@ -101,7 +131,21 @@ class DFlashConfig:
             max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", None) or 40960),
             attention=drafter_cfg.attention,
             init_std=drafter_cfg.init_std,
+            **variant_fields(drafter_cfg),
         )
+
+
+def variant_fields(drafter_cfg) -> dict:
+    """The DFlash2 keys of a drafter config section (the DFlash defaults where it has none)."""
+    return {
+        "variant": getattr(drafter_cfg, "variant", "dflash"),
+        "conv_kernel_size": getattr(
+            drafter_cfg, "conv_kernel_size", dflash2.DEFAULT_CONV_KERNEL_SIZE
+        ),
+        "conv_group_size": getattr(drafter_cfg, "conv_group_size", dflash2.DEFAULT_CONV_GROUP_SIZE),
+        "selector_rank": getattr(drafter_cfg, "selector_rank", dflash2.DEFAULT_SELECTOR_RANK),
+        "selector_top_k": getattr(drafter_cfg, "selector_top_k", dflash2.DEFAULT_SELECTOR_TOP_K),
+    }
 
 
 def drafter_rope_theta(drafter_cfg, target) -> float:
@@ -231,16 +275,33 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash2: a convolution within the block around each sublayer (None for DFlash)
+        self.attention_conv: dflash2.GroupedDynamicCausalConv | None = None
+        self.mlp_conv: dflash2.GroupedDynamicCausalConv | None = None
+        if cfg.is_dflash2:
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            self.attention_conv = dflash2.GroupedDynamicCausalConv(*conv)
+            self.mlp_conv = dflash2.GroupedDynamicCausalConv(*conv)
 
     def forward(self, x, rope, attend):
-        """x [B,Q,H] block stream; rope = (cos, sin) at the block positions;
-        attend(q, k_blk, v_blk) -> [B,h,Q,d] supplies the context K/V and the mask."""
+        """x [B,Q,H] block stream (blocks of block_size consecutive rows); rope = (cos, sin) at
+        the block positions; attend(q, k_blk, v_blk) -> [B,h,Q,d] supplies the context K/V and
+        the mask. The context is never convolved: it has no residual stream here."""
         a = self.self_attn
         h = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            h, delta = self.attention_conv.prepare(h)
         q = a.project_q(h, *rope)
         k_blk, v_blk = a.project_kv(h, *rope)
-        x = x + a.merge(attend(q, k_blk, v_blk))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        o = a.merge(attend(q, k_blk, v_blk))
+        if self.attention_conv is not None:
+            o = self.attention_conv.finish(o, delta)
+        x = x + o
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            return x + self.mlp(h)
+        h, delta = self.mlp_conv.prepare(h)
+        return x + self.mlp_conv.finish(self.mlp(h), delta)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,16 +368,34 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.candidate_selector: dflash2.CandidateSelector | None = None
+        if cfg.is_dflash2:
+            self.candidate_selector = dflash2.CandidateSelector(
+                cfg.vocab_size, H, cfg.selector_rank, cfg.selector_top_k, cfg.init_std
+            )
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Linear weights ~ N(0, init_std); every norm weight = 1 (dflash-method.md §2.5)."""
+        """Linear weights ~ N(0, init_std); every norm weight = 1 (dflash-method.md §2.5).
+        DFlash2's parts start where they change nothing: convolutions identity, selector
+        pairwise term 0 (models/dflash2.py)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 m.weight.normal_(0.0, self.config.init_std, generator=generator)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+        self.reset_dflash2(generator)
+
+    @torch.no_grad()
+    def reset_dflash2(self, generator: torch.Generator | None = None) -> None:
+        """DFlash2's parts to their neutral start (a no-op for DFlash): with the rest of the
+        weights a DFlash drafter's, this drafter drafts exactly what that one drafts."""
+        for m in self.modules():
+            if isinstance(m, dflash2.GroupedDynamicCausalConv):
+                m.reset_identity()
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(generator)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[B, S, n*H] target taps -> [B, S, H] context (hidden_norm(fc(.)))."""
@@ -419,11 +498,28 @@ class DFlashDrafter(nn.Module):
             x = layer(x, rope_q, attend)
         return self.norm(x)
 
-    def propose(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """The draft tokens of a block's draft slots: hidden [k, H] -> [k] ids, each slot the
-        argmax of the target's LM head on its own (DFlash). The decoding seam for a drafter
-        variant that chooses a block's drafts another way (decode/draft.py)."""
-        return lm_head(hidden).argmax(-1)
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        lm_head,
+        anchor_ids: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """The block's draft tokens [B, L] from its final-normed hidden states [B, L, H] at
+        slots 1..L (forward_infer's output, slot 0 dropped; decoding passes the slots it
+        verifies), the target's frozen LM head (a module or callable: hidden -> logits
+        [B, L, V]) and the anchor [B] (slot 0's token, the bonus token the target committed).
+
+        DFlash: argmax of the logits per slot. DFlash2: the selector walk over each slot's
+        top_k candidates, each slot conditioned on the token drafted for the slot before
+        (models/dflash2.py). temperature > 0: Gumbel-max samples instead of argmax."""
+        # 2-D rows: a 3-D input would make the head's matmul a batched one over an expanded copy
+        # of the [V, H] weight (measured on CPU: 26 ms for 4 rows against 10 ms as 2-D)
+        logits = lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
+        if self.candidate_selector is None:
+            return dflash2.pick(logits, temperature, generator)
+        return self.candidate_selector.walk(hidden, logits, anchor_ids, temperature, generator)
 
     def config_dict(self) -> dict:
         return dataclasses.asdict(self.config)

@@ -1,7 +1,9 @@
 """Export/load a drafter in the published z-lab layout (dflash-method.md §1.6).
 
     out_dir/config.json        Qwen3-style config, architectures ["DFlashDraftModel"]
-    out_dir/model.safetensors  exactly 3 + 11*L tensors, no "model." prefix, no embed/lm_head
+                               (["DFlash2DraftModel"] for variant dflash2, docs/dflash2.md)
+    out_dir/model.safetensors  exactly 3 + 11*L tensors (DFlash2: 6 + 15*L), no "model."
+                               prefix, no embed/lm_head
     out_dir/training.json      ours, read by no engine: the target (name, revision) and the
                                resolved training config, so `eval --drafter DIR` needs no preset
 
@@ -74,11 +76,32 @@ _LAYER_PARAMS = (
 )
 
 
-def expected_names(num_layers: int) -> list[str]:
-    """The 3 + 11*L published tensor names."""
+# DFlash2's additions: per layer two convolutions, once the selector (its codebooks are bare
+# tensors, no ".weight", as the reference package and vLLM load them).
+_CONV_PARAMS = tuple(
+    f"{conv}.{p}"
+    for conv in ("attention_conv", "mlp_conv")
+    for p in ("base_kernel", "kernel_projection.weight")
+)
+_SELECTOR_PARAMS = (
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+    "candidate_selector.hidden_projection.weight",
+)
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+# config.json dflash_config keys of DFlash2 (DFlashConfig fields of the same name)
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def expected_names(num_layers: int, variant: str = "dflash") -> list[str]:
+    """The published tensor names: 3 + 11*L for DFlash, 6 + 15*L for DFlash2."""
     names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
     for i in range(num_layers):
         names += [f"layers.{i}.{p}.weight" for p in _LAYER_PARAMS]
+        if variant == "dflash2":
+            names += [f"layers.{i}.{p}" for p in _CONV_PARAMS]
+    if variant == "dflash2":
+        names += list(_SELECTOR_PARAMS)
     return names
 
 
@@ -86,16 +109,19 @@ def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
     """config.json content: the fields of dflash-method.md §1.6 plus the transformers-5 rope
     form."""
     out = dict(cfg.extra)
+    dflash_config = {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+    }
+    if cfg.is_dflash2:  # the reference and vLLM read these from dflash_config
+        dflash_config.update({k: getattr(cfg, k) for k in DFLASH2_KEYS})
     out.update(
         {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [ARCHITECTURES[cfg.variant]],
             "model_type": "qwen3",
             "block_size": cfg.block_size,
             "num_target_layers": cfg.num_target_layers,
-            "dflash_config": {
-                "mask_token_id": cfg.mask_token_id,
-                "target_layer_ids": list(cfg.target_layer_ids),
-            },
+            "dflash_config": dflash_config,
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_layers,
@@ -220,7 +246,7 @@ def export_weights(
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    names = expected_names(config.num_layers)
+    names = expected_names(config.num_layers, config.variant)
     assert sorted(sd) == sorted(names), f"unexpected drafter params: {sorted(set(sd) ^ set(names))}"
     dtype = dtype or next(iter(sd.values())).dtype
     if dtype not in DTYPE_NAMES:
@@ -258,6 +284,20 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
         return src[key]
 
     dc = need("dflash_config")
+    arch = (d.get("architectures") or ["DFlashDraftModel"])[0]
+    variants = {a: v for v, a in ARCHITECTURES.items()}
+    if arch not in variants:
+        raise UserError(
+            f"{path}: architectures {d.get('architectures')}: this trainer loads "
+            f"{sorted(variants)} only."
+        )
+    variant = variants[arch]
+    dflash2 = {k: int(need(k, dc)) for k in DFLASH2_KEYS} if variant == "dflash2" else {}
+    for k in ("input_embedding_scale", "output_multiplier"):
+        if float(dc.get(k, 1.0)) != 1.0:
+            raise UserError(f"{path}: dflash_config.{k}={dc[k]} is not supported (only 1.0).")
+    if float(dc.get("final_logit_softcapping") or 0.0) > 0:
+        raise UserError(f"{path}: dflash_config.final_logit_softcapping is not supported.")
     rp = d.get("rope_parameters") or {}
     theta = d.get("rope_theta") or rp.get("rope_theta") or 1e6
     known = {
@@ -314,6 +354,8 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
             init_std=float(d.get("initializer_range", 0.02)),
             extra={k: v for k, v in d.items() if k not in known},
+            variant=variant,
+            **dflash2,
         )
     except (TypeError, ValueError) as e:
         raise UserError(f"{path}: invalid drafter config: {e}.") from None
@@ -351,7 +393,7 @@ def load_drafter(
     # Accept the "model." prefix some converters add (SGLang tries both forms too).
     if sd and all(k.startswith("model.") for k in sd):
         sd = {k[len("model.") :]: v for k, v in sd.items()}
-    want = expected_names(cfg.num_layers)
+    want = expected_names(cfg.num_layers, cfg.variant)
     missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
     if missing or extra:
         raise UserError(

@@ -29,7 +29,8 @@ import logging
 import torch
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.models.drafter import DFlashDrafter
+from dflash_trainer.models import dflash2
+from dflash_trainer.models.drafter import DFlashDrafter, variant_fields
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.layer_map import (
     LAYER_TOL,
@@ -198,6 +199,18 @@ def warm_start(path, drafter_cfg, target) -> DFlashDrafter:
             log.warning(
                 "%s: using its %s=%s (drafter.%s=%s is ignored)", where, name, theirs, name, ours
             )
+    variant = variant_fields(drafter_cfg)
+    if variant["variant"] == "dflash2" and not pc.is_dflash2:  # DFlash -> DFlash2: neutral start
+        fields = {**variant, "block_size": drafter_cfg.block_size}
+        drafter = dflash2.warm_start_dflash2(pub, fields)
+        drafter.config.attention = drafter_cfg.attention
+        log.info("drafter starts from DFlash export %s as DFlash2 (identity convolutions)", path)
+        return drafter
+    if variant["variant"] != pc.variant:
+        raise UserError(
+            f"{where} is a {pc.variant} drafter but drafter.variant={variant['variant']}; set "
+            f"drafter.variant={pc.variant} (a DFlash2 drafter cannot become a DFlash one)."
+        )
     cfg = dataclasses.replace(
         pc, block_size=drafter_cfg.block_size, attention=drafter_cfg.attention
     )

@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.pipeline.protocols import Target
 from dflash_trainer.run import rundir
 from dflash_trainer.train.budget import TimeBudget
+from dflash_trainer.train.dflash2_objective import DFlash2Objective
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
 
@@ -217,7 +219,11 @@ def claim_run_dir(cfg: Config, rank: int) -> Path | None:
 
 def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
     d = cfg.drafter
-    return DFlashObjective(
+    cls = DFlashObjective
+    variant: dict[str, Any] = {}
+    if drafter.config.is_dflash2:  # + its selector's loss (train/dflash2_objective.py)
+        cls, variant = DFlash2Objective, {"selector_weight": d.selector_weight}
+    return cls(
         d.block_size,
         d.num_anchors,
         d.gamma,
@@ -230,6 +236,7 @@ def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
         kd_temperature=d.kd_temperature,
         loss_slots=d.loss_slots,
         hidden_weight=d.hidden_weight,
+        **variant,
     )
 
 

@@ -198,7 +198,13 @@ class DFlashObjective:
                     "kd_weight > 0 or hidden_weight > 0 needs the target's final hidden states"
                 )
             teacher = self.teacher_hidden(target_hidden, anchors)
-        return self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid, teacher)
+        out = self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid, teacher)
+        return self.add_terms(out, drafter, hidden, lm_head, labels, label_valid)
+
+    def add_terms(self, out: StepOutput, drafter, hidden, lm_head, labels, label_valid):
+        """Hook for a variant's own loss terms and metrics on top of the block loss
+        (train/dflash2_objective.py); the DFlash objective has none."""
+        return out
 
     def teacher_hidden(self, target_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """[B,N,bs-1,H]: for slot k >= 1 of block j, the target's final hidden state at position
