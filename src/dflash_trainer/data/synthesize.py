@@ -16,8 +16,8 @@ end-of-turn token. What it writes is kept only if it is a clean, plausible promp
   MT-Bench question is refused as well.
 
 Deterministic under `synth.seed` for one engine and dtype: the project's loop draws from a
-generator seeded per (seed, round, hint, chunk); vLLM seeds each request (its k-th sample with
-seed + k). Each prompt record carries its provenance (synthesised, seed, round, temperature,
+seed per (seed, round, hint, copy); vLLM's engine is seeded per round (models/vllm_worker.py:
+no per-request seeds on its CPU build). Each prompt record carries its provenance (synthesised, seed, round, temperature,
 top_p, hint, engine, target, revision, dtype). The output is a JSONL of prompt records
 `{id, messages, source: "synth", provenance}` that `generate` answers like any prompt file; a
 file made with the same settings is reused (`synthesize_prompts`).
@@ -316,7 +316,7 @@ def synthesize_prompts(cfg, target, out_path, engine_choice: str = "auto") -> di
     while len(screen.records) < s.prompts and rounds < s.max_rounds:
         before = len(screen.records)
         per_hint = max(1, math.ceil((s.prompts - before) / max(rate, 0.05) / len(hints)))
-        # far apart per round: vLLM seeds a prompt's k-th sample with seed + k
+        # far apart per round (the project's loop seeds each copy with seed + its index)
         seed = (s.seed * 1_000 + rounds) * 1_000_003
         sampled = sample_turns(target, rows, per_hint, s, engine, vllm, seed)
         for k in range(per_hint):  # hints interleaved, so a short run keeps their mix

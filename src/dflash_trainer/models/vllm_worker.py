@@ -11,12 +11,12 @@ Request (JSON):
   drafter          the export directory served as the DFlash drafter, or null (plain decoding)
   num_speculative_tokens   block_size - 1 (vLLM ignores the export's block_size)
   prompts          token id lists, rendered by the project exactly as it renders them
-  max_tokens, stop_token_ids, temperature, top_p, seed   SamplingParams
+  max_tokens, stop_token_ids, temperature, top_p   SamplingParams
+  seed             the engine's seed (LLM(seed=...)); no per-request seed (see SamplingParams)
   mode             "decode": acceptance per prompt (prompts one at a time, batch 1 like the
                    project's loop); "generate": all prompts in one call (regeneration)
   n                "generate": continuations sampled per prompt (prompt synthesis; default 1);
                    with n > 1 each result also holds "samples", every continuation's token ids
-                   (vLLM seeds the k-th with seed + k)
   dtype, max_model_len, enforce_eager, kv_cache_gb, extra_engine_args
 Result (JSON): vllm version, engine start-up seconds, and per prompt the generated token ids
 and, with a drafter, the spec-decode counters of that prompt alone (the engine's cumulative
@@ -97,7 +97,12 @@ def main(argv: list[str]) -> int:
         top_p=float(req.get("top_p", 1.0)),
         max_tokens=int(req["max_tokens"]),
         stop_token_ids=[int(s) for s in req.get("stop_token_ids", [])],
-        seed=int(req.get("seed", 0)) if float(req.get("temperature", 0.0)) > 0 else None,
+        # No per-request seed: vLLM 0.32's CPU runner crashes ("CPU Generator does not use
+        # offset", v1/worker/gpu_model_runner.py rewinding a seeded request's generator) once a
+        # seeded request's prefill is chunked, which many samples at once trigger. The engine's
+        # seed (LLM(seed=...) above) makes a sampled run reproducible for the same prompts and
+        # settings instead of per prompt.
+        seed=None,
         ignore_eos=bool(req.get("ignore_eos", False)),
         n=int(req.get("n", 1)),
     )
