@@ -17,10 +17,10 @@ end-of-turn token. What it writes is kept only if it is a clean, plausible promp
 
 Deterministic under `synth.seed` for one engine and dtype: the project's loop draws from a
 seed per (seed, round, hint, copy); vLLM's engine is seeded per round (models/vllm_worker.py:
-no per-request seeds on its CPU build). Each prompt record carries its provenance (synthesised, seed, round, temperature,
-top_p, hint, engine, target, revision, dtype). The output is a JSONL of prompt records
-`{id, messages, source: "synth", provenance}` that `generate` answers like any prompt file; a
-file made with the same settings is reused (`synthesize_prompts`).
+no per-request seeds on its CPU build). Each prompt record carries its provenance (synthesised,
+seed, round, temperature, top_p, hint, engine, target, revision, dtype). The output is a JSONL
+of prompt records `{id, messages, source: "synth", provenance}` that `generate` answers like any
+prompt file; a file made with the same settings is reused (`synthesize_prompts`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -33,6 +34,41 @@ INSTALL_HINT = (
     "build it with `make vllm` (vLLM's CPU build in .venv-vllm), or `pip install vllm` into a "
     "venv of its own and pass --eval.vllm_python=THAT_VENV/bin/python"
 )
+
+
+def _run_group(cmd: list[str], log_file: Any, env: dict, cwd: str, timeout_s: float) -> int:
+    """Run the worker in a process group of its own and wait at most `timeout_s`; on a timeout,
+    an error or an interrupt here, kill the whole group: vLLM's engine-core and worker processes
+    are the worker's children and would otherwise outlive it, holding cores and memory."""
+    proc = subprocess.Popen(
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+    )
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"vLLM did not finish within {timeout_s:.0f} s and was stopped; "
+            "fewer prompts per call or a larger timeout (VLLMEngine.timeout_s)."
+        ) from None
+    finally:
+        if proc.poll() is None or _group_alive(proc.pid):
+            _kill_group(proc.pid)
+            proc.wait(timeout=30)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def find_vllm_python(explicit: str = "") -> Path | None:
@@ -159,20 +195,15 @@ class VLLMEngine:
             rq.write_text(json.dumps(req), encoding="utf-8")
             t0 = time.perf_counter()
             with open(logf, "w", encoding="utf-8") as lf:
-                r = subprocess.run(
-                    [str(self.python), str(WORKER), str(rq), str(out)],
-                    stdout=lf,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=tmp,
-                    timeout=self.timeout_s,
+                returncode = _run_group(
+                    [str(self.python), str(WORKER), str(rq), str(out)], lf, env, tmp, self.timeout_s
                 )
-            if r.returncode != 0 or not out.is_file():
+            if returncode != 0 or not out.is_file():
                 tail = "\n".join(
                     logf.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
                 )
                 raise UserError(
-                    f"vLLM ({self.python}) failed with exit code {r.returncode} serving target "
+                    f"vLLM ({self.python}) failed with exit code {returncode} serving target "
                     f"'{self.target}'"
                     + (f" with drafter '{drafter}'" if drafter else "")
                     + f":\n{tail}"

@@ -26,8 +26,10 @@ position.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 
@@ -63,7 +65,19 @@ def _diff(after: dict, before: dict) -> dict:
     }
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this worker when the project's process dies (killed, not only exited), and
+    turn SIGTERM into a normal exit so vLLM shuts its engine-core processes down too."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
 def main(argv: list[str]) -> int:
+    _die_with_parent()
     req_path, out_path = argv[1], argv[2]
     with open(req_path, encoding="utf-8") as f:
         req = json.load(f)
