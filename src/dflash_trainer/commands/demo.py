@@ -31,6 +31,7 @@ from dflash_trainer.eval.dtype import dtype_label
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.report import write_report
+from dflash_trainer.pipeline.feature_cache import capture_for
 from dflash_trainer.run import TrainResult, rundir, train
 from dflash_trainer.run.evaluation import HeldoutPrompt, heldout_examples
 from dflash_trainer.run.trainer import setup_run_logging
@@ -80,7 +81,9 @@ def _demo(cfg: Config, t_all: float) -> int:
         f"taps {target.layer_ids}"
     )
     _say("2/5 training data: embedded prompts answered by the target (cached)")
-    train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
+    # the taps the target computes while it writes the answers: the first epoch's features
+    captured = capture_for(cfg, target)
+    train_set, heldout = prepare_data(cfg, target.tokenizer, target=target, capture=captured)
     _say(f"    ready in {phases.end('data'):.0f} s")
     report = [e for e in heldout_examples(heldout, cfg) if e.role == REPORT]
     _say(
@@ -94,7 +97,7 @@ def _demo(cfg: Config, t_all: float) -> int:
         + ", then the held-out evaluation"
     )
     configure_final_eval(cfg, report)
-    result = train(cfg, target=target, train_set=train_set, heldout=heldout)
+    result = train(cfg, target=target, train_set=train_set, heldout=heldout, captured=captured)
     phases.end("training")
     _say(f"    {result.steps} steps in {result.train_s:.0f} s ({result.reason})")
     if result.balance:

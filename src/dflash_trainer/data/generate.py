@@ -164,13 +164,20 @@ def decode_batch(
     seeds: list[int],
     pad_id: int,
     stop_ids: list[int] | None = None,
+    capture: Any = None,
 ) -> list[tuple[list[int], bool]]:
     """(new tokens, ended on a stop id) per prompt row, from the decode loop (decode/loop.py:
     one left-padded prefill, then one forward per step for the rows still running). The stop
-    id itself is not in the returned tokens; `stop_ids`: default the target's eos ids."""
+    id itself is not in the returned tokens; `stop_ids`: default the target's eos ids.
+    `capture`: a pipeline.feature_cache.CapturedFeatures that keeps each row's taps of prompt
+    + new tokens (stop id included), keyed by those ids."""
     out = decode(
-        target, rows, max_new_tokens, sampler, seeds=seeds, stop_ids=stop_ids, pad_id=pad_id
-    )
+        target, rows, max_new_tokens, sampler, seeds=seeds, stop_ids=stop_ids, pad_id=pad_id,
+        keep_features=capture is not None,
+    )  # fmt: skip
+    if capture is not None:
+        for row, r in zip(rows, out):
+            capture.add(list(row) + r.tokens, r.features)
     return [(r.tokens[:-1] if r.stopped else r.tokens, r.stopped) for r in out]
 
 
@@ -180,8 +187,10 @@ def row_seed(seed: int, pid: str) -> int:
     return hash32_int(seed ^ zlib.crc32(pid.encode()))
 
 
-def _generate_batch(target, chunk, settings, pad_id, seed, provenance, rendering) -> tuple:
-    """Records for one batch of prompts, and the new tokens they hold."""
+def _generate_batch(
+    target, chunk, settings, pad_id, seed, provenance, rendering, capture=None
+) -> tuple:
+    """Records for one batch of prompts, and the new tokens they hold (`capture`: decode_batch)."""
     tok = target.tokenizer
     decoded = decode_batch(
         target,
@@ -190,6 +199,7 @@ def _generate_batch(target, chunk, settings, pad_id, seed, provenance, rendering
         Sampler(settings["temperature"], settings["top_p"]),
         [row_seed(seed, t[0]) for t in chunk],
         pad_id,
+        capture=capture,
     )
     records, new_tokens = [], 0
     for (pid, msgs, _), (row, stopped) in zip(chunk, decoded):
@@ -254,6 +264,7 @@ def generate_responses(
     engine: str = "hf",
     vllm: Any = None,
     extra_provenance: dict | None = None,
+    capture: Any = None,
 ) -> dict:
     """Append one record per not-yet-done prompt to `out_path`. Returns counts and tokens/s.
 
@@ -267,6 +278,8 @@ def generate_responses(
     (resumable per call, not per batch), its sampling parameters in each record's provenance.
     Every record's provenance names the engine, the seed and the target's dtype (a sampled
     answer is reproducible from them), plus `extra_provenance` (e.g. the target revision).
+    `capture` (engine hf): a pipeline.feature_cache.CapturedFeatures kept for training's first
+    epoch (decode_batch).
     """
     rendering = rendering or Rendering()
     if max_new_tokens < 1 or batch_size < 1:
@@ -325,7 +338,7 @@ def generate_responses(
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
             records, new_tokens = _generate_batch(
-                target, chunk, settings, pad_id, seed, provenance, rendering
+                target, chunk, settings, pad_id, seed, provenance, rendering, capture
             )
             stats["new_tokens"] += new_tokens
             _append_records(path, records)
@@ -383,11 +396,11 @@ def embedded_responses_path(cfg) -> Path:
     return cache_root(cfg.target.cache_dir) / "responses" / f"{digest}.jsonl"
 
 
-def ensure_embedded_responses(cfg, target=None) -> Path:
+def ensure_embedded_responses(cfg, target=None, capture=None) -> Path:
     """MT-Bench + HumanEval prompts answered by the target, cached (and resumed) by settings.
 
     Returns the JSONL path. The target is loaded only when some responses are missing; pass an
-    already-loaded `target` to reuse it.
+    already-loaded `target` to reuse it (and `capture`: generate_with).
     """
     path = embedded_responses_path(cfg)
     prompts = embedded.embedded_prompts()
@@ -402,7 +415,7 @@ def ensure_embedded_responses(cfg, target=None) -> Path:
         flush=True,
     )
     # The demo's data: vLLM where it is installed and pays (choose_engine), else the loop here.
-    stats = generate_with(cfg, target, prompts, path)
+    stats = generate_with(cfg, target, prompts, path, capture)
     print_summary(stats)
     return path
 
@@ -446,10 +459,11 @@ def gen_settings(cfg) -> dict:
     }
 
 
-def generate_with(cfg, target, prompts, out) -> dict:
+def generate_with(cfg, target, prompts, out, capture=None) -> dict:
     """generate_responses with cfg's [generate] settings, on the engine that
     generate.engine (hf | vllm | auto: choose_engine) picks for this job; under auto, a target
-    vLLM cannot serve falls back to the project's loop (vLLM wrote nothing)."""
+    vLLM cannot serve falls back to the project's loop (vLLM wrote nothing). `capture`: the
+    loop's taps kept for training (generate_responses; vLLM keeps none)."""
     choice = cfg.generate.engine
     revision = {"target_revision": cfg.target.revision} if cfg.target.revision else {}
     how = dict(
@@ -458,6 +472,7 @@ def generate_with(cfg, target, prompts, out) -> dict:
         rendering=Rendering.from_config(cfg),
         seed=cfg.seed,
         progress=cfg.metrics.console,
+        capture=capture,
     )
     engine, vllm = choose_engine(cfg, choice, len(prompts) * cfg.generate.max_new_tokens)
     try:

@@ -38,13 +38,14 @@ EMBEDDED_SOURCES = {"mtbench-": "mt-bench", "humaneval-": "humaneval"}
 VALIDATION, REPORT = "validation", "report"
 
 
-def resolve_sources(cfg, target=None) -> list[str]:
-    """Replace `embedded[@W]` by the cached JSONL of target-regenerated responses."""
+def resolve_sources(cfg, target=None, capture=None) -> list[str]:
+    """Replace `embedded[@W]` by the cached JSONL of target-regenerated responses (`capture`:
+    ensure_embedded_responses)."""
     out = []
     for spec in cfg.data.sources:
         path, weight = parse_source_spec(spec)
         if path == "embedded":
-            resolved = ensure_embedded_responses(cfg, target=target)
+            resolved = ensure_embedded_responses(cfg, target=target, capture=capture)
             out.append(f"{resolved}@{weight}" if weight != 1.0 else str(resolved))
         else:
             out.append(spec)
@@ -107,9 +108,9 @@ def split_roles(ids: list[str], sources: list[str], eval_cfg, seed: int) -> list
     return [VALIDATION if i in val else REPORT for i in ids]
 
 
-def prepare_data(cfg, tokenizer, target=None):
+def prepare_data(cfg, tokenizer, target=None, capture=None):
     rendering = Rendering.from_config(cfg)  # a bad data.chat_template stops before generation
-    sources = resolve_sources(cfg, target)
+    sources = resolve_sources(cfg, target, capture)
     embedded_files = {
         parse_source_spec(s)[0] for s, spec in zip(sources, cfg.data.sources) if spec != s
     }

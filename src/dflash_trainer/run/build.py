@@ -79,10 +79,14 @@ def thread_split(cfg: Config) -> tuple[int, int]:
     return t, max(1, total - t)
 
 
-def feature_cache(cfg: Config, parts) -> FeatureCache | None:
-    """The run's FeatureCache (pipeline.feature_cache_gb > 0), shared by its target workers."""
+def feature_cache(cfg: Config, parts, captured=None) -> FeatureCache | None:
+    """The run's FeatureCache (pipeline.feature_cache_gb > 0), shared by its target workers;
+    `captured`: features kept while generating the data (CapturedFeatures), adopted by the
+    samples whose ids they were computed on."""
     gb = cfg.pipeline.feature_cache_gb
     if gb <= 0:
+        if captured is not None:
+            captured.clear()
         return None
     devices = [torch.device(d) for d in cfg.pipeline.target_devices] + [parts.drafter_device]
     if any(d.type != "cpu" for d in devices):
@@ -90,7 +94,11 @@ def feature_cache(cfg: Config, parts) -> FeatureCache | None:
             f"pipeline.feature_cache_gb={gb}: the feature cache is for CPU runs (target and "
             f"drafter on cpu, here {[str(d) for d in devices]}); set it to 0 on GPUs"
         )
-    return FeatureCache(parts.train_set.lengths, int(gb * 2**30))
+    cache = FeatureCache(parts.train_set.lengths, int(gb * 2**30))
+    if captured is not None:
+        final = parts.objective.needs_target_hidden
+        cache.adopt(parts.train_set, captured, parts.target, final, parts.feature_dtype)
+    return cache
 
 
 def share_cores(cfg: Config, hs_q, cache, drafter_threads: int, target_threads: int):
@@ -236,6 +244,7 @@ def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
         kd_temperature=d.kd_temperature,
         loss_slots=d.loss_slots,
         hidden_weight=d.hidden_weight,
+        label_source=d.label_source,
         **variant,
     )
 

@@ -166,9 +166,12 @@ class Trainer:
 
     `dist`: a pipeline.distributed.DistContext when this process is one rank of a torchrun job.
     `monitor`: a monitor to use instead of building one (it is not closed); `observe=False`
-    switches observability off (benchmarks)."""
+    switches observability off (benchmarks). `captured`: the target's features kept while
+    generating the data (pipeline/feature_cache.py: CapturedFeatures), for the feature cache."""
 
-    def __init__(self, parts: RunParts, *, dist=None, monitor=None, observe: bool = True):
+    def __init__(
+        self, parts: RunParts, *, dist=None, monitor=None, observe: bool = True, captured=None
+    ):
         cfg = parts.cfg
         self.parts, self.cfg, self.dist, self.observe = parts, cfg, dist, observe
         self.rank, self.run_dir = parts.rank, parts.run_dir
@@ -210,7 +213,7 @@ class Trainer:
         )
         self.stop = threading.Event()
         self.done = threading.Event()
-        self._build_stages()
+        self._build_stages(captured)
         self.own_monitor = monitor is None
         self.mon = self._build_monitor(monitor)
         self.hooks.mon = self.logged.mon = self.mon
@@ -275,7 +278,7 @@ class Trainer:
             faults=faults,
         )
 
-    def _build_stages(self) -> None:
+    def _build_stages(self, captured=None) -> None:
         """The prefetcher, then target + drafter workers (pipelined) or one sequential worker."""
         cfg, p, parts = self.cfg, self.cfg.pipeline, self.parts
         faults = FaultInjector(p.fault, self.rank)
@@ -287,7 +290,7 @@ class Trainer:
         self.prefetcher = self._build_prefetcher(work_q, faults)
         # KD and hidden regression: the target step also hands over its final hidden states.
         kd = parts.objective.needs_target_hidden
-        self.cache = feature_cache(cfg, parts)
+        self.cache = feature_cache(cfg, parts, captured)
         self.cores = None  # CPU pipelines only (set below)
         target_step = TargetStep(
             parts.target, parts.drafter_device, parts.feature_dtype, kd, self.cache
@@ -544,11 +547,12 @@ def train(
     monitor=None,
     observe: bool = True,
     dist=None,
+    captured=None,
 ) -> TrainResult:
     """Build the run from `cfg` (the given target / datasets are used instead of loading them)
     and train it. `dist`: a pipeline.distributed.DistContext when this process is one rank of a
     torchrun job (run.distributed.train_distributed builds it); it sets rank/world_size and the
-    DDP wrapper."""
+    DDP wrapper. `captured`: features kept while generating the data (Trainer)."""
     if dist is not None:
         rank, world_size = dist.rank, dist.world_size
         ddp_wrap = ddp_wrap if ddp_wrap is not None else dist.ddp_wrap
@@ -561,4 +565,4 @@ def train(
         world_size=world_size,
         ddp_wrap=ddp_wrap,
     )
-    return Trainer(parts, dist=dist, monitor=monitor, observe=observe).run()
+    return Trainer(parts, dist=dist, monitor=monitor, observe=observe, captured=captured).run()

@@ -17,6 +17,10 @@ Per row of the batch (S = padded length, N = num_anchors, bs = block_size):
      p_target at slot k is the target's own next-token distribution at position a_j+k-1 (its
      final normed hidden state there through the frozen LM head, computed chunk by chunk here,
      so the target's logits never exist for the whole sequence).
+     With label_source = "target" the labels of slots 1..K are the target's own argmax at
+     position a_j+k-1 (the same final hidden states through the same head, chunk by chunk), not
+     the data's tokens: on text the target did not write, the drafter learns what verification
+     accepts. Validity (loss mask, block, sequence end) is the text labels'.
 The LM head runs a chunk of blocks at a time and each chunk's input gradient is formed right
 away (_ChunkCE), so the full [N*bs, V] logits never exist, in forward or backward.
 
@@ -42,6 +46,13 @@ def default_gamma(block_size: int) -> float:
     return _PAPER_GAMMA.get(block_size, block_size / 2.3)
 
 
+def needs_final_hidden(kd_weight: float, hidden_weight: float, label_source: str) -> bool:
+    """Whether the objective reads the target's final hidden states, so the target forward
+    runs past its last tap (and features captured while generating, which lack them, are not
+    enough: pipeline/feature_cache.py)."""
+    return kd_weight > 0 or hidden_weight > 0 or label_source == "target"
+
+
 @dataclass
 class StepOutput:
     loss: torch.Tensor  # 0-d, differentiable
@@ -65,6 +76,7 @@ class DFlashObjective:
         kd_temperature: float = 1.0,
         loss_slots: int = 0,
         hidden_weight: float = 0.0,
+        label_source: str = "text",
     ):
         if block_size < 2:
             raise ValueError("block_size must be >= 2")
@@ -78,6 +90,9 @@ class DFlashObjective:
             raise ValueError(f"loss_slots must be >= 0 (0 = every slot), got {loss_slots}")
         if hidden_weight < 0:
             raise ValueError(f"hidden_weight must be >= 0, got {hidden_weight}")
+        if label_source not in ("text", "target"):
+            raise ValueError(f"label_source must be 'text' or 'target', got {label_source!r}")
+        self.label_source = label_source
         self.kd_weight = float(kd_weight)
         self.hidden_weight = float(hidden_weight)
         # Slots 1..K go through the LM head (CE/KD, accuracy metrics); 0 = all bs - 1.
@@ -102,8 +117,9 @@ class DFlashObjective:
 
     @property
     def needs_target_hidden(self) -> bool:
-        """Whether a step needs the target's final hidden states (KD or hidden regression)."""
-        return self.kd_weight > 0 or self.hidden_weight > 0
+        """Whether a step needs the target's final hidden states (KD, hidden regression, the
+        target's labels)."""
+        return needs_final_hidden(self.kd_weight, self.hidden_weight, self.label_source)
 
     def slot_weights(self, device) -> torch.Tensor:
         """[bs]: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1 (slot 1 has weight 1)."""
@@ -163,6 +179,22 @@ class DFlashObjective:
         valid = in_range & sup & block_valid[:, :, None] & (slot >= 1)
         return labels, valid
 
+    @torch.no_grad()
+    def target_labels(self, labels, teacher, lm_head) -> torch.Tensor:
+        """`labels` [B,N,bs] with slots 1..K (K = loss_slots; later slots are never read) set
+        to the target's argmax: its final hidden state at a_j+k-1 (`teacher` [B,N,bs-1,H],
+        teacher_hidden) through the frozen `lm_head`, in the head's own dtype (autocast off:
+        the target's logits, not a bf16 re-rounding of them), chunk_blocks blocks at a time."""
+        B, N, bs = labels.shape
+        K = self.loss_slots
+        dtype = next(lm_head.parameters()).dtype
+        chunk = self.chunk_blocks or _auto_chunk_blocks(lm_head, B, K)
+        parts = []
+        with torch.autocast(teacher.device.type, enabled=False):
+            for c0 in range(0, N, chunk):
+                parts.append(lm_head(teacher[:, c0 : c0 + chunk, :K].to(dtype)).argmax(-1))
+        return torch.cat([labels[:, :, :1], torch.cat(parts, 1), labels[:, :, K + 1 :]], 2)
+
     # ------------------------------------------------------------------------------------ loss
     def __call__(
         self,
@@ -195,9 +227,12 @@ class DFlashObjective:
         if self.needs_target_hidden:
             if target_hidden is None:
                 raise ValueError(
-                    "kd_weight > 0 or hidden_weight > 0 needs the target's final hidden states"
+                    "kd_weight > 0, hidden_weight > 0 or label_source=target needs the target's "
+                    "final hidden states"
                 )
             teacher = self.teacher_hidden(target_hidden, anchors)
+            if self.label_source == "target":
+                labels = self.target_labels(labels, teacher, lm_head)
         out = self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid, teacher)
         return self.add_terms(out, drafter, hidden, lm_head, labels, label_valid)
 
