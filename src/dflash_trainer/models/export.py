@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -185,7 +186,7 @@ def training_record(config: dict, *, step: int | None = None, source: str | None
     t = config.get("target", {}) or {}
     model = t.get("model")
     embedded = str(model or "").startswith("embedded:")
-    local = bool(model) and not embedded and Path(model).is_dir()
+    local = bool(model) and not embedded and Path(str(model)).is_dir()
     revision = t.get("revision") or None
     commit = _hub_commit(model, revision) if model and not local and not embedded else None
     return {
@@ -197,7 +198,7 @@ def training_record(config: dict, *, step: int | None = None, source: str | None
             "model": model,
             "revision": revision,
             "commit": commit,
-            "local_dir": str(Path(model).resolve()) if local else None,
+            "local_dir": str(Path(str(model)).resolve()) if local else None,
             # what a serving engine loads (vLLM `model=`, SGLang --model-path): the converted
             # directory for the embedded target, never `embedded:...` nor its Hub original
             "engine_model": _engine_model(t, model, embedded, local),
@@ -292,7 +293,9 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
             f"{sorted(variants)} only."
         )
     variant = variants[arch]
-    dflash2 = {k: int(need(k, dc)) for k in DFLASH2_KEYS} if variant == "dflash2" else {}
+    dflash2: dict[str, Any] = (
+        {k: int(need(k, dc)) for k in DFLASH2_KEYS} if variant == "dflash2" else {}
+    )
     for k in ("input_embedding_scale", "output_multiplier"):
         if float(dc.get(k, 1.0)) != 1.0:
             raise UserError(f"{path}: dflash_config.{k}={dc[k]} is not supported (only 1.0).")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, VALIDATION, split_roles, stratified_pick
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
@@ -31,6 +33,7 @@ from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import export_drafter, export_dtype, load_drafter
+from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,8 @@ class PeriodicEval:
         self.best = float("-inf")
         self.last_step = -1
         self.dtype = eval_dtype(cfg.eval.dtype, target.device, target.dtype) if ex else None
-        self._target = None  # the target in eval.dtype (a cast copy when it differs), lazily
+        # the target in eval.dtype (a cast copy when it differs), lazily
+        self._target: TargetModel | None = None
         self._sim: TauSim | None = None
         if cfg.eval.every_steps and self.periodic:
             log.info(
@@ -110,28 +114,32 @@ class PeriodicEval:
         return self.cfg.eval.block_size or self.cfg.drafter.block_size
 
     @property
+    def decode_dtype(self) -> torch.dtype:
+        """eval.dtype resolved (there are held-out prompts: else nothing is evaluated)."""
+        assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
+        return self.dtype
+
+    @property
     def dtype_name(self) -> str:
         """eval.dtype resolved, by name ("float32")."""
-        assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
-        return dtype_label(self.dtype)
+        return dtype_label(self.decode_dtype)
 
     def eval_target(self) -> Any:
         """The target in eval.dtype (a cast copy where training uses another dtype), made once;
         what every evaluation of this run decodes with (and the parity gate)."""
         if self._target is None:
-            assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
-            self._target = target_in(self.target, self.dtype)
+            target = target_in(self.target, self.decode_dtype)
             self._sim = TauSim(
-                self._target, [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report]
+                target, [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report]
             )
+            self._target = target
         return self._target
 
     def exported_drafter(self, export_dir: Path) -> Any:
         """The export as written (its stored dtype), cast to eval.dtype like every evaluation:
         what the reference loop and vLLM load too."""
-        assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
         device = next(self.target.model.parameters()).device
-        return drafter_in(load_drafter(export_dir, device), self.dtype)
+        return drafter_in(load_drafter(export_dir, device), self.decode_dtype)
 
     def _measure(
         self,
@@ -149,7 +157,9 @@ class PeriodicEval:
         target = self.eval_target()
         final = export_dir is not None
         drafter = (
-            self.exported_drafter(export_dir) if final else drafter_in(self.drafter, self.dtype)
+            self.exported_drafter(export_dir)
+            if export_dir is not None
+            else drafter_in(self.drafter, self.decode_dtype)
         )
         loop = ProjectLoop(
             target,
@@ -161,7 +171,7 @@ class PeriodicEval:
         s = loop.decode([x.prompt for x in decoded], e.max_new_tokens, self.block_size)
         run = EvalRun(groups=_by_source(decoded, s), overall=s)
         if final and e.compare:
-            label = dtype_label(self.dtype)
+            label = self.dtype_name
             engines = [comparison_engine(n, self.cfg, target, export_dir, label) for n in e.compare]
             run.compare(engines, e.max_new_tokens, self.block_size)
         if e.tau_sim and self._sim is not None:
@@ -194,7 +204,7 @@ class PeriodicEval:
             {
                 "eval/prompts": run.overall.num_responses,
                 "eval/set": which,
-                "eval/dtype": dtype_label(self.dtype),
+                "eval/dtype": self.dtype_name,
                 "eval/step": step,
             }
         )
