@@ -71,7 +71,7 @@ def periodic_subset(examples: list[HeldoutPrompt], n: int, seed: int) -> list[He
     strata = defaultdict(list)
     for e in examples:
         strata[e.source].append(e.id)
-    keep = stratified_pick(strata, 0.0, seed, 0x9E41, count=n)
+    keep = stratified_pick(strata, 0.0, seed, 0x9E41, count=n, subset=True)
     return [e for e in examples if e.id in keep]
 
 
