@@ -151,7 +151,8 @@ class PeriodicEval:
         """The one evaluation of held-out prompts: the `decoded` ones (default all `examples`)
         decoded by the project's loop, per source; tau_sim replayed on every one of `examples`
         (eval.tau_sim). With `export_dir` (the end of the run) the export is decoded, and the
-        baseline and the compared engines (eval.at_end_baseline, eval.compare) run too."""
+        baseline and the compared engines (eval.at_end_baseline, eval.compare,
+        eval.at_end_adaptive) run too."""
         e = self.cfg.eval
         decoded = examples if decoded is None else decoded
         target = self.eval_target()
@@ -170,23 +171,53 @@ class PeriodicEval:
         )
         s = loop.decode([x.prompt for x in decoded], e.max_new_tokens, self.block_size)
         run = EvalRun(groups=_by_source(decoded, s), overall=s)
-        if final and e.compare:
+        if export_dir is not None:
+            self._compare(run, drafter, export_dir, progress)
+        if e.tau_sim and self._sim is not None:
+            self._simulate(run, drafter, examples, decoded, progress)
+        return run
+
+    def _compare(self, run: EvalRun, drafter: Any, export_dir: Path, progress: bool) -> None:
+        """The end of the run: eval.compare's engines on every group, and the project loop with
+        adaptive verify on eval.at_end_adaptive's sources."""
+        e, target = self.cfg.eval, self.eval_target()
+        if e.compare:
             label = self.dtype_name
             engines = [comparison_engine(n, self.cfg, target, export_dir, label) for n in e.compare]
             run.compare(engines, e.max_new_tokens, self.block_size)
-        if e.tau_sim and self._sim is not None:
-            sim = self._sim.run(
-                drafter, e.max_new_tokens, self.block_size, [x.id for x in examples], progress
+        if e.at_end_adaptive:
+            adaptive = ProjectLoop(
+                target,
+                drafter,
+                progress=progress,
+                packed=self.cfg.target.packed_linear,
+                options={"verify": "adaptive"},
+                name="adaptive",
             )
-            lens = dict(zip(sim.keys, sim.acceptance_lengths))
-            replayed = defaultdict(list)
-            for x in examples:
-                replayed[x.source].append(lens[x.id])
-            run.sims = {"all": sim.tau}
-            run.sims.update({src: mean_tau(ls) for src, ls in sorted(replayed.items())})
-            run.sim_gap = mean_tau([lens[x.id] for x in decoded]) - s.tau
-            run.sim_prompts = len(examples)
-        return run
+            run.compare([adaptive], e.max_new_tokens, self.block_size, e.at_end_adaptive)
+
+    def _simulate(
+        self,
+        run: EvalRun,
+        drafter: Any,
+        examples: list[HeldoutPrompt],
+        decoded: list[HeldoutPrompt],
+        progress: bool,
+    ) -> None:
+        """tau_sim replayed on every one of `examples`: overall, per source, and its gap to the
+        measured tau on the `decoded` ones."""
+        e = self.cfg.eval
+        assert self._sim is not None
+        ids = [x.id for x in examples]
+        sim = self._sim.run(drafter, e.max_new_tokens, self.block_size, ids, progress)
+        lens = dict(zip(sim.keys, sim.acceptance_lengths))
+        replayed = defaultdict(list)
+        for x in examples:
+            replayed[x.source].append(lens[x.id])
+        run.sims = {"all": sim.tau}
+        run.sims.update({src: mean_tau(ls) for src, ls in sorted(replayed.items())})
+        run.sim_gap = mean_tau([lens[x.id] for x in decoded]) - run.overall.tau
+        run.sim_prompts = len(examples)
 
     def _record(
         self,
