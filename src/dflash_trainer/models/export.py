@@ -275,6 +275,39 @@ def export_weights(
     return out
 
 
+# config.json keys the loader reads or checks; any other key is kept in DFlashConfig.extra
+_KNOWN_CONFIG_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "block_size",
+        "num_target_layers",
+        "dflash_config",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "attention_bias",
+        "attention_dropout",
+        "tie_word_embeddings",
+        "hidden_act",
+        "layer_types",
+        "sliding_window",
+        "use_sliding_window",
+        "initializer_range",
+        "dtype",
+    }
+)
+
+
 def _config_from_json(d: dict, path: Path) -> DFlashConfig:
     def need(key, src=d):
         if key not in src:
@@ -303,34 +336,6 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
         raise UserError(f"{path}: dflash_config.final_logit_softcapping is not supported.")
     rp = d.get("rope_parameters") or {}
     theta = d.get("rope_theta") or rp.get("rope_theta") or 1e6
-    known = {
-        "architectures",
-        "model_type",
-        "block_size",
-        "num_target_layers",
-        "dflash_config",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "rope_theta",
-        "rope_parameters",
-        "rope_scaling",
-        "rms_norm_eps",
-        "max_position_embeddings",
-        "attention_bias",
-        "attention_dropout",
-        "tie_word_embeddings",
-        "hidden_act",
-        "layer_types",
-        "sliding_window",
-        "use_sliding_window",
-        "initializer_range",
-        "dtype",
-    }
     if d.get("attention_bias"):
         raise UserError(f"{path}: attention_bias=true is not supported (Qwen3 DFlash has none).")
     lt = d.get("layer_types") or []
@@ -356,7 +361,7 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
             init_std=float(d.get("initializer_range", 0.02)),
-            extra={k: v for k, v in d.items() if k not in known},
+            extra={k: v for k, v in d.items() if k not in _KNOWN_CONFIG_KEYS},
             variant=variant,
             **dflash2,
         )
