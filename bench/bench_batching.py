@@ -89,24 +89,19 @@ def bench_rows(s: dict) -> list[dict]:
         ours = s[f"ours@{budget}"]
         for base in ("random_bs8", "random_bs1"):
             b = s[f"{base}@{budget}"]
-            out.append(
-                bench_harness.row(
-                    f"padding efficiency, max_tokens {budget}",
-                    "ours",
-                    base,
-                    ours["padding_eff"] / b["padding_eff"],
-                    note=f"ours {ours['padding_eff']:.3f}, {base} {b['padding_eff']:.3f}",
+            for what, k in (
+                ("padding efficiency", "padding_eff"),
+                ("bucket entropy (window 64)", "bucket_entropy"),
+            ):
+                out.append(
+                    bench_harness.row(
+                        f"{what}, max_tokens {budget}",
+                        "ours",
+                        base,
+                        ours[k] / b[k],
+                        note=f"ours {ours[k]:.3f}, {base} {b[k]:.3f}",
+                    )
                 )
-            )
-            out.append(
-                bench_harness.row(
-                    f"bucket entropy (window 64), max_tokens {budget}",
-                    "ours",
-                    base,
-                    ours["bucket_entropy"] / b["bucket_entropy"],
-                    note=f"ours {ours['bucket_entropy']:.3f}, {base} {b['bucket_entropy']:.3f}",
-                )
-            )
     return out
 
 

@@ -39,6 +39,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -100,7 +101,7 @@ def _timed(fn, *args, **kw):
     return out, time.perf_counter() - t0
 
 
-def main() -> None:
+def _args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -113,110 +114,101 @@ def main() -> None:
         help="our loops' linear kernels (the references always run PyTorch's default)",
     )
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
-    from dflash import model as ref
+    return ap.parse_args()
 
-    from dflash_trainer.eval.reference import _cpu_clock
 
+def _rig(args, ref, tmp: str) -> SimpleNamespace:
+    """The target, our drafter and the reference's copy of it (the same export), the prompts,
+    and `spec(x, verify)`: our draft-verify loop on one prompt."""
     cfg = load_config("smollm2-cpu", None, ["--target.dtype=float32"])
     torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
     target = TargetModel.load(cfg.target, "cpu")
-    tdir = tempfile.TemporaryDirectory()
     if args.drafter:
         drafter, export = load_drafter(args.drafter, device="cpu"), args.drafter
     else:
         drafter = build_drafter(cfg, target, "cpu").float()
-        export = str(export_drafter(drafter, Path(tdir.name) / "drafter", torch.float32))
+        export = str(export_drafter(drafter, Path(tmp) / "drafter", torch.float32))
     drafter.eval()
-    ref_drafter = ref.DFlashDraftModel.from_pretrained(export, dtype=torch.float32).eval()
-    block = drafter.config.block_size
-    stop = list(target.eos_token_ids)
-    model = target.model
+    r = SimpleNamespace(target=target, drafter=drafter, model=target.model, n=args.max_new_tokens)
+    r.ref_drafter = ref.DFlashDraftModel.from_pretrained(export, dtype=torch.float32).eval()
+    r.block, r.stop = drafter.config.block_size, list(target.eos_token_ids)
     # the references' own copy, never packed: they run as they ship
-    base = copy.deepcopy(model) if args.kernels == "packed" else model
-    prompts = _prompts(target.tokenizer, args.prompts)
-    n = args.max_new_tokens
+    r.base = copy.deepcopy(r.model) if args.kernels == "packed" else r.model
+    r.prompts = _prompts(target.tokenizer, args.prompts)
 
     def spec(x, verify="full"):
+        t = r.target
         return spec_generate(
-            model,
-            target.layer_ids,
-            target.embed_weight,
-            target.lm_head,
-            drafter,
-            x,
-            n,
-            block,
-            stop_ids=stop,
-            verify=verify,
-        )
+            r.model, t.layer_ids, t.embed_weight, t.lm_head, r.drafter, x, r.n, r.block,
+            stop_ids=r.stop, verify=verify,
+        )  # fmt: skip
 
-    t = {k: [] for k in ("spec", "ref", "ar", "hf")}
-    tokens = {k: 0 for k in t}
-    same = {"spec": 0, "ar": 0}
-    cycles = draft_s = verify_s = 0.0
-    committed = 0
-    packing = (
-        packed_linears(model, drafter) if args.kernels == "packed" else contextlib.nullcontext()
-    )
-    with torch.inference_mode(), _cpu_clock(ref), packing:
-        for i, p in enumerate(prompts):
-            x = torch.tensor([p])
-            # alternate which side runs first
-            order = ("spec", "ref", "ar", "hf") if i % 2 == 0 else ("ref", "spec", "hf", "ar")
-            out = {}
-            for k in order:
-                if k == "spec":
-                    r, s = _timed(spec, x)
-                    out[k] = r.tokens
-                    cycles += len(r.acceptance_lengths)
-                    committed += sum(r.acceptance_lengths)
-                    draft_s += r.draft_time
-                    verify_s += r.verify_time
-                elif k == "ref":
-                    r, s = _timed(
-                        ref.dflash_generate,
-                        ref_drafter,
-                        base,
-                        x,
-                        n,
-                        stop,
-                        block_size=block,
-                        return_stats=True,
-                    )
-                    out[k] = r.output_ids[0, x.shape[1] :].tolist()
-                elif k == "ar":
-                    r, s = _timed(ar_generate, model, x, n, stop_ids=stop)
-                    out[k] = r.tokens
-                else:
-                    out[k], s = _timed(_hf_greedy, base, x, n, stop)
-                t[k].append(s)
-                tokens[k] += len(out[k])
-            same["spec"] += out["spec"] == out["ref"][: len(out["spec"])]
-            same["ar"] += out["ar"] == out["hf"]
-            print(f"prompt {i}: " + ", ".join(f"{k} {len(out[k])} tok" for k in order))
-        # Controlled acceptance: oracle-drafts + 1 tokens per cycle, full vs adaptive verify.
-        # per policy: seconds, tokens, cycles, drafter seconds, verify seconds
-        oracle = {"full": [0.0, 0, 0, 0.0, 0.0], "adaptive": [0.0, 0, 0, 0.0, 0.0]}
-        greedy_s, greedy_n = 0.0, 0  # plain greedy timed again, beside the oracle runs
-        for i, p in enumerate(prompts):
-            x = torch.tensor([p])
-            g, s_ar = _timed(ar_generate, model, x, n, stop_ids=stop)
-            greedy_s, greedy_n = greedy_s + s_ar, greedy_n + len(g.tokens)
-            saved = decode_loop.draft_block
-            decode_loop.draft_block = _oracle(g.tokens, x.shape[1], args.oracle_drafts)
-            try:
-                for how in ("full", "adaptive") if i % 2 == 0 else ("adaptive", "full"):
-                    r, s_spec = _timed(spec, x, how)
-                    assert r.tokens == g.tokens, "oracle run not lossless"
-                    for j, v in enumerate(
-                        (s_spec, len(r.tokens), len(r.block_sizes), r.draft_time, r.verify_time)
-                    ):
-                        oracle[how][j] += v
-            finally:
-                decode_loop.draft_block = saved
-    rate = {k: tokens[k] / sum(v) for k, v in t.items()}
-    at_k = {
+    r.spec = spec
+    return r
+
+
+def _against_references(r: SimpleNamespace, ref) -> SimpleNamespace:
+    """Ours vs the reference loop and vs HF generate, alternating which runs first per prompt:
+    seconds and tokens per side, identical outputs, our cycle profile."""
+    m = SimpleNamespace(t={k: [] for k in ("spec", "ref", "ar", "hf")}, same={"spec": 0, "ar": 0})
+    m.tokens = {k: 0 for k in m.t}
+    m.cycles = m.draft_s = m.verify_s = 0.0
+    m.committed = 0
+    for i, p in enumerate(r.prompts):
+        x = torch.tensor([p])
+        # alternate which side runs first
+        order = ("spec", "ref", "ar", "hf") if i % 2 == 0 else ("ref", "spec", "hf", "ar")
+        out = {}
+        for k in order:
+            if k == "spec":
+                res, s = _timed(r.spec, x)
+                out[k] = res.tokens
+                m.cycles += len(res.acceptance_lengths)
+                m.committed += sum(res.acceptance_lengths)
+                m.draft_s += res.draft_time
+                m.verify_s += res.verify_time
+            elif k == "ref":
+                res, s = _timed(
+                    ref.dflash_generate, r.ref_drafter, r.base, x, r.n, r.stop,
+                    block_size=r.block, return_stats=True,
+                )  # fmt: skip
+                out[k] = res.output_ids[0, x.shape[1] :].tolist()
+            elif k == "ar":
+                res, s = _timed(ar_generate, r.model, x, r.n, stop_ids=r.stop)
+                out[k] = res.tokens
+            else:
+                out[k], s = _timed(_hf_greedy, r.base, x, r.n, r.stop)
+            m.t[k].append(s)
+            m.tokens[k] += len(out[k])
+        m.same["spec"] += out["spec"] == out["ref"][: len(out["spec"])]
+        m.same["ar"] += out["ar"] == out["hf"]
+        print(f"prompt {i}: " + ", ".join(f"{k} {len(out[k])} tok" for k in order))
+    return m
+
+
+def _at_oracle(r: SimpleNamespace, drafts: int) -> dict:
+    """Controlled acceptance: `drafts` + 1 tokens per cycle, full vs adaptive verify, each
+    against plain greedy timed again beside it."""
+    # per policy: seconds, tokens, cycles, drafter seconds, verify seconds
+    oracle = {"full": [0.0, 0, 0, 0.0, 0.0], "adaptive": [0.0, 0, 0, 0.0, 0.0]}
+    greedy_s, greedy_n = 0.0, 0
+    for i, p in enumerate(r.prompts):
+        x = torch.tensor([p])
+        g, s_ar = _timed(ar_generate, r.model, x, r.n, stop_ids=r.stop)
+        greedy_s, greedy_n = greedy_s + s_ar, greedy_n + len(g.tokens)
+        saved = decode_loop.draft_block
+        decode_loop.draft_block = _oracle(g.tokens, x.shape[1], drafts)
+        try:
+            for how in ("full", "adaptive") if i % 2 == 0 else ("adaptive", "full"):
+                res, s_spec = _timed(r.spec, x, how)
+                assert res.tokens == g.tokens, "oracle run not lossless"
+                for j, v in enumerate(
+                    (s_spec, len(res.tokens), len(res.block_sizes), res.draft_time, res.verify_time)
+                ):
+                    oracle[how][j] += v
+        finally:
+            decode_loop.draft_block = saved
+    return {
         how: {
             "tokens_per_cycle": o[1] / o[2],
             "speedup": (o[1] / o[0]) / (greedy_n / greedy_s),
@@ -227,22 +219,26 @@ def main() -> None:
         }
         for how, o in oracle.items()
     }
-    ar_step = sum(t["ar"]) / tokens["ar"]
-    cycle = sum(t["spec"]) / cycles  # prefill included: conservative
-    result = {
+
+
+def _result(args, r: SimpleNamespace, m: SimpleNamespace, at_k: dict) -> dict:
+    rate = {k: m.tokens[k] / sum(v) for k, v in m.t.items()}
+    ar_step = sum(m.t["ar"]) / m.tokens["ar"]
+    cycle = sum(m.t["spec"]) / m.cycles  # prefill included: conservative
+    return {
         "machine": cpu_kind(),
         "kernels": args.kernels,
-        "prompts": len(prompts),
-        "max_new_tokens": n,
+        "prompts": len(r.prompts),
+        "max_new_tokens": r.n,
         "tokens_per_s": rate,
         "spec_vs_reference": rate["spec"] / rate["ref"],
         "ar_vs_hf_generate": rate["ar"] / rate["hf"],
-        "identical_spec": f"{same['spec']}/{len(prompts)}",
-        "identical_ar": f"{same['ar']}/{len(prompts)}",
-        "tokens_per_cycle": committed / cycles,
+        "identical_spec": f"{m.same['spec']}/{len(r.prompts)}",
+        "identical_ar": f"{m.same['ar']}/{len(r.prompts)}",
+        "tokens_per_cycle": m.committed / m.cycles,
         "cycle_ms": 1e3 * cycle,
-        "cycle_draft_ms": 1e3 * draft_s / cycles,
-        "cycle_verify_ms": 1e3 * verify_s / cycles,
+        "cycle_draft_ms": 1e3 * m.draft_s / m.cycles,
+        "cycle_verify_ms": 1e3 * m.verify_s / m.cycles,
         "greedy_step_ms": 1e3 * ar_step,
         "cycle_over_greedy_step": cycle / ar_step,
         "projected_speedup": {k: k * ar_step / cycle for k in (2, 3, 4)},
@@ -250,8 +246,12 @@ def main() -> None:
         "oracle_drafts": args.oracle_drafts,
         "speedup_at_oracle": at_k,
     }
+
+
+def _print(result: dict) -> None:
+    rate = result["tokens_per_s"]
     print(
-        f"\n{result['machine']}, our kernels {args.kernels}: draft-verify ours "
+        f"\n{result['machine']}, our kernels {result['kernels']}: draft-verify ours "
         f"{rate['spec']:.1f} vs reference "
         f"{rate['ref']:.1f} tok/s ({result['spec_vs_reference']:.3f}x, identical "
         f"{result['identical_spec']}); greedy ours {rate['ar']:.1f} vs HF generate "
@@ -267,13 +267,32 @@ def main() -> None:
             f"{how} verify {v['tokens_per_cycle']:.2f} tokens per cycle, speedup "
             f"{v['speedup']:.2f}x (cycle {v['cycle_ms']:.0f} ms: drafter {v['draft_ms']:.0f}, "
             f"verify {v['verify_ms']:.0f}; greedy step {v['greedy_step_ms']:.0f})"
-            for how, v in at_k.items()
+            for how, v in result["speedup_at_oracle"].items()
         )
     )
+
+
+def main() -> None:
+    args = _args()
+    from dflash import model as ref
+
+    from dflash_trainer.eval.reference import _cpu_clock
+
+    with tempfile.TemporaryDirectory() as tmp:
+        r = _rig(args, ref, tmp)
+        packing = (
+            packed_linears(r.model, r.drafter)
+            if args.kernels == "packed"
+            else contextlib.nullcontext()
+        )
+        with torch.inference_mode(), _cpu_clock(ref), packing:
+            m = _against_references(r, ref)
+            at_k = _at_oracle(r, args.oracle_drafts)
+    result = _result(args, r, m, at_k)
+    _print(result)
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    tdir.cleanup()
 
 
 # `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these

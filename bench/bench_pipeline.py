@@ -296,7 +296,7 @@ def sharing_only(steps: int, repeats: int) -> None:
     print(json.dumps({"steps": steps, "repeats": repeats, "tok_s": rates, "cpu": cpu_kind()}))
 
 
-def main() -> None:
+def _args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
@@ -315,31 +315,18 @@ def main() -> None:
         action="store_true",
         help="only core sharing (itself and as the trial decides) vs the fixed split, long runs",
     )
-    args = ap.parse_args()
-    steps, repeats = (6, 1) if args.quick else (12, 3)
-    if args.sharing:
-        return sharing_only(steps=80, repeats=3)
-    if args.overhead:
-        return overhead_only(steps=20, repeats=4)
-    if args.bound:
-        return bound_only(steps=16, repeats=4)
-    cfg = load_config("smollm2-cpu")
-    target = TargetModel.load(cfg.target, "cpu")
-    ds = synthetic_dataset(400, target.vocab_size)
-    # Warm-up (allocator, kernels) outside the measurement.
-    run_ours(target, ds, 2, "pipelined")
-    rows: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "pipelined",
-            "fixed_split",
-            "sequential",
-            "colocated",
-            "obs_off",
-            "heavy_shared",
-            "heavy_fixed",
-        )
-    }
+    return ap.parse_args()
+
+
+SCHEDULES = (
+    "pipelined", "fixed_split", "sequential", "colocated", "obs_off", "heavy_shared", "heavy_fixed"
+)  # fmt: skip
+
+
+def _repeats(target, ds, steps: int, repeats: int):
+    """Every schedule's tokens/s per repeat, interleaved so machine drift hits all; process CPU
+    over wall of the pipelined runs; pipelined over sequential whole-run (fill and drain in)."""
+    rows: dict[str, list[float]] = {k: [] for k in SCHEDULES}
     fixed = ["--pipeline.share_cores=false"]
     heavy = ["--drafter.loss_slots=0"]  # the LM head on every slot: the drafter is the bound
     cpu_wall, whole = [], []
@@ -358,37 +345,42 @@ def main() -> None:
             f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rows.items()),
             file=sys.stderr,
         )
-    sb = schedule_bound(target, ds, steps)
+    return rows, cpu_wall, whole
+
+
+def _spread(rs: list[float]) -> dict:
+    return {"median": statistics.median(rs), "min": min(rs), "max": max(rs)}
+
+
+def _result(rows, cpu_wall, whole, sb: dict, steps: int, repeats: int) -> dict:
     t_rate = sb["target_tok_s"]["pipelined_threads"]
     d_rate = sb["drafter_tok_s"]["pipelined_threads"]
-    bound = min(t_rate, d_rate)
 
     def ratio(a, b):
-        rs = [x / y for x, y in zip(rows[a], rows[b])]
-        return {"median": statistics.median(rs), "min": min(rs), "max": max(rs)}
+        return _spread([x / y for x, y in zip(rows[a], rows[b])])
 
     med = {k: statistics.median(v) for k, v in rows.items()}
-    result = {
+    return {
         "machine": f"{cpu_kind()}, {os.cpu_count()} CPU threads, torch {torch.__version__}",
         "tokens_per_s": med,
         "pipelined_vs_fixed_split": ratio("pipelined", "fixed_split"),
         "drafter_bound_shared_vs_fixed": ratio("heavy_shared", "heavy_fixed"),
         "process_cpu_over_wall": statistics.median(cpu_wall),
         "pipelined_vs_sequential": ratio("pipelined", "sequential"),
-        "pipelined_vs_sequential_fill_and_drain_in": {
-            "median": statistics.median(whole),
-            "min": min(whole),
-            "max": max(whole),
-        },
+        "pipelined_vs_sequential_fill_and_drain_in": _spread(whole),
         "pipelined_vs_colocated": ratio("pipelined", "colocated"),
         "observability_on_vs_off": ratio("pipelined", "obs_off"),
         "isolated_target_tok_s": t_rate,
         "isolated_drafter_tok_s": d_rate,
-        "pipelined_vs_stage_bound": med["pipelined"] / bound,
+        "pipelined_vs_stage_bound": med["pipelined"] / min(t_rate, d_rate),
         "schedule_bound": sb,
         "steps_per_run": steps,
         "repeats": repeats,
     }
+
+
+def _print_table(result: dict) -> None:
+    sb = result["schedule_bound"]
     print("\n| comparison | ratio (median, min-max) |\n|---|---|")
     for k in (
         "pipelined_vs_fixed_split",
@@ -403,13 +395,34 @@ def main() -> None:
     print(f"| process CPU time / wall, pipelined | {result['process_cpu_over_wall']:.2f} |")
     print(
         f"| pipelined_vs_stage_bound | {result['pipelined_vs_stage_bound']:.3f} "
-        f"(target alone {t_rate:.0f} tok/s, drafter alone {d_rate:.0f} tok/s) |"
+        f"(target alone {result['isolated_target_tok_s']:.0f} tok/s, drafter alone "
+        f"{result['isolated_drafter_tok_s']:.0f} tok/s) |"
     )
     print(
         f"| most any pipeline gains over sequential here (stages alone, balanced) | "
         f"{sb['bound']:.3f} ({sb['balanced_pipeline_tok_s']:.0f} vs {sb['sequential_tok_s']:.0f} "
         f"tok/s) |"
     )
+
+
+def main() -> None:
+    args = _args()
+    steps, repeats = (6, 1) if args.quick else (12, 3)
+    if args.sharing:
+        return sharing_only(steps=80, repeats=3)
+    if args.overhead:
+        return overhead_only(steps=20, repeats=4)
+    if args.bound:
+        return bound_only(steps=16, repeats=4)
+    cfg = load_config("smollm2-cpu")
+    target = TargetModel.load(cfg.target, "cpu")
+    ds = synthetic_dataset(400, target.vocab_size)
+    # Warm-up (allocator, kernels) outside the measurement.
+    run_ours(target, ds, 2, "pipelined")
+    rows, cpu_wall, whole = _repeats(target, ds, steps, repeats)
+    sb = schedule_bound(target, ds, steps)
+    result = _result(rows, cpu_wall, whole, sb, steps, repeats)
+    _print_table(result)
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -218,6 +218,73 @@ class Report:
             (o / "gpu_check.json").write_text(text)
 
 
+def _runs(rep: Report, target, ds, args, outs: list[Path]) -> dict:
+    """The measured runs (each a phase of the report): sequential, pipelined (its run directory
+    kept), the zero-sync check on CUDA, observability off, pipelined again."""
+    n = args.steps
+    keep = outs[0] / "gpu_pipelined_run"
+    shutil.rmtree(keep, ignore_errors=True)
+    r = {"keep": keep, "sync": None}
+    r["seq"] = rep.phase("sequential", lambda: run(target, ds, "sequential", n, args)[0])
+    r["pipe"] = rep.phase(
+        "pipelined", lambda: run(target, ds, "pipelined", n, args, keep_dir=keep)[0]
+    )
+    for o in outs[1:]:
+        jl = keep / "metrics.jsonl"
+        if jl.exists():
+            shutil.copy(jl, o / "gpu_pipelined_metrics.jsonl")
+    if args.device.startswith("cuda"):
+        r["sync"] = rep.phase(
+            "sync_check",
+            lambda: dict(
+                zip(("run", "hits"), run(target, ds, "pipelined", 6, args, sync_check=True))
+            ),
+        )
+    r["off"] = rep.phase(
+        "pipelined_observe_off", lambda: run(target, ds, "pipelined", n, args, observe=False)[0]
+    )
+    r["pipe2"] = rep.phase("pipelined_again", lambda: run(target, ds, "pipelined", n, args)[0])
+    return r
+
+
+def _table(rep: Report, r: dict, t_all: float) -> list[tuple]:
+    """The report's table: one (metric, value) per row."""
+
+    def get(row, key, default=float("nan")):
+        return row.get(key, default) if row else default
+
+    m = window_means(r["keep"] / "metrics.jsonl")
+    pipe, seq, off, sync = r["pipe"], r["seq"], r["off"], r["sync"]
+    pipes = [x["tok_s"] for x in (pipe, r["pipe2"]) if x]
+    nan = float("nan")
+    return [
+        ("device", rep.data["env"]["device"]),
+        ("bf16 matmul 8192^3 TFLOP/s (measured)", get(rep.data["phases"], "matmul_bf16_tflops")),
+        ("device peak TFLOP/s used for MFU", rep.data["peak_tflops_table"]),
+        ("target tokens/s (pipelined, window mean)", m.get("tput/target_tok_s", nan)),
+        ("target MFU % (pipelined, window mean)", m.get("tput/mfu_target", nan)),
+        ("drafter tokens/s (pipelined, window mean)", m.get("tput/drafter_tok_s", nan)),
+        ("drafter MFU % (pipelined, window mean)", m.get("tput/mfu_drafter", nan)),
+        ("target busy (pipelined, window mean)", m.get("worker/target0/busy_frac", nan)),
+        ("drafter busy (pipelined, window mean)", m.get("worker/drafter0/busy_frac", nan)),
+        ("GPU util % (NVML, window mean)", m.get("gpu/0/util", nan)),
+        ("pipelined tokens/s", get(pipe, "tok_s")),
+        ("sequential tokens/s", get(seq, "tok_s")),
+        ("pipelined / sequential", get(pipe, "tok_s") / get(seq, "tok_s")),
+        (
+            "observability on / off",
+            (sum(pipes) / len(pipes) if pipes else nan) / get(off, "tok_s"),
+        ),
+        ("sync warnings from worker threads", len(sync["hits"]) if sync else "n/a"),
+        ("peak memory GiB (pipelined)", get(pipe, "peak_mem_gib")),
+        ("peak memory GiB (sequential)", get(seq, "peak_mem_gib")),
+        ("balance (pipelined)", get(pipe, "balance", "")),
+        ("mean sequence length", rep.data["mean_sequence_length"]),
+        ("failed phases", ", ".join(rep.data["errors"]) or "none"),
+        ("wall time of this check (s)", time.time() - t_all),
+    ]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="an 8-layer model: check the script")
@@ -252,60 +319,7 @@ def main():
     rep.data["peak_tflops_table"] = peak_tflops(torch.device(args.device))
     # warm-up: flex attention compiles, cuBLAS heuristics, the allocator's pools
     rep.phase("warmup", lambda: run(target, ds, "pipelined", 3, args)[0])
-    n = args.steps
-    keep = outs[0] / "gpu_pipelined_run"
-    shutil.rmtree(keep, ignore_errors=True)
-    seq = rep.phase("sequential", lambda: run(target, ds, "sequential", n, args)[0])
-    pipe = rep.phase("pipelined", lambda: run(target, ds, "pipelined", n, args, keep_dir=keep)[0])
-    for o in outs[1:]:
-        jl = keep / "metrics.jsonl"
-        if jl.exists():
-            shutil.copy(jl, o / "gpu_pipelined_metrics.jsonl")
-    if args.device.startswith("cuda"):
-        sync = rep.phase(
-            "sync_check",
-            lambda: dict(
-                zip(("run", "hits"), run(target, ds, "pipelined", 6, args, sync_check=True))
-            ),
-        )
-    else:
-        sync = None
-    off = rep.phase(
-        "pipelined_observe_off", lambda: run(target, ds, "pipelined", n, args, observe=False)[0]
-    )
-    pipe2 = rep.phase("pipelined_again", lambda: run(target, ds, "pipelined", n, args)[0])
-
-    def get(row, key, default=float("nan")):
-        return row.get(key, default) if row else default
-
-    m = window_means(keep / "metrics.jsonl")
-    pipes = [r["tok_s"] for r in (pipe, pipe2) if r]
-    table = [
-        ("device", rep.data["env"]["device"]),
-        ("bf16 matmul 8192^3 TFLOP/s (measured)", get(rep.data["phases"], "matmul_bf16_tflops")),
-        ("device peak TFLOP/s used for MFU", rep.data["peak_tflops_table"]),
-        ("target tokens/s (pipelined, window mean)", m.get("tput/target_tok_s", float("nan"))),
-        ("target MFU % (pipelined, window mean)", m.get("tput/mfu_target", float("nan"))),
-        ("drafter tokens/s (pipelined, window mean)", m.get("tput/drafter_tok_s", float("nan"))),
-        ("drafter MFU % (pipelined, window mean)", m.get("tput/mfu_drafter", float("nan"))),
-        ("target busy (pipelined, window mean)", m.get("worker/target0/busy_frac", float("nan"))),
-        ("drafter busy (pipelined, window mean)", m.get("worker/drafter0/busy_frac", float("nan"))),
-        ("GPU util % (NVML, window mean)", m.get("gpu/0/util", float("nan"))),
-        ("pipelined tokens/s", get(pipe, "tok_s")),
-        ("sequential tokens/s", get(seq, "tok_s")),
-        ("pipelined / sequential", get(pipe, "tok_s") / get(seq, "tok_s")),
-        (
-            "observability on / off",
-            (sum(pipes) / len(pipes) if pipes else float("nan")) / get(off, "tok_s"),
-        ),
-        ("sync warnings from worker threads", len(sync["hits"]) if sync else "n/a"),
-        ("peak memory GiB (pipelined)", get(pipe, "peak_mem_gib")),
-        ("peak memory GiB (sequential)", get(seq, "peak_mem_gib")),
-        ("balance (pipelined)", get(pipe, "balance", "")),
-        ("mean sequence length", rep.data["mean_sequence_length"]),
-        ("failed phases", ", ".join(rep.data["errors"]) or "none"),
-        ("wall time of this check (s)", time.time() - t_all),
-    ]
+    table = _table(rep, _runs(rep, target, ds, args, outs), t_all)
     rep.data["table"] = table
     rep.write()
     print(f"\n## gpu_check {rep.data['date']} on {rep.data['env']['device']}\n")

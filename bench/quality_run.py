@@ -40,18 +40,12 @@ from dflash_trainer.config_io import load_config, set_value
 from dflash_trainer.data.generate import ensure_embedded_responses, generate_with, print_summary
 from dflash_trainer.data.prepare import REPORT, prepare_data
 from dflash_trainer.data.synthesize import as_prompts, synth_provenance, synthesize_prompts
-from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
-from dflash_trainer.eval.evaluation import evaluate
-from dflash_trainer.eval.metrics import summarize
-from dflash_trainer.eval.reference import reference_tau
-from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.models.embedded import cache_root
-from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.observe.progress import Phases
 from dflash_trainer.observe.report import write_report
 from dflash_trainer.run import rundir, train
-from dflash_trainer.run.evaluation import heldout_examples
 
 log = logging.getLogger("quality")
 VARIANTS = ("embedded", "synth-greedy", "synth-sampled", "raw-kd")
@@ -61,20 +55,6 @@ CODE = "humaneval"
 
 def say(msg: str) -> None:
     print(f"[quality] {msg}", flush=True)
-
-
-class Phases:
-    """Wall seconds per phase, in order."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._t = time.monotonic()
-
-    def end(self, name: str) -> float:
-        now = time.monotonic()
-        self.seconds[name] = round(now - self._t, 1)
-        self._t = now
-        return self.seconds[name]
 
 
 def _digest(key: dict) -> str:
@@ -109,35 +89,48 @@ def synth_sources(cfg, target, args, phases: Phases) -> list[str]:
     return [str(answers)]
 
 
-def heldout_checks(cfg, target, export_dir, report) -> dict:
-    """Phase 6, per embedded source: tau (ours, the reference loop), speedup over plain greedy
-    with full verify and, on code, adaptive verify; tau_sim on every reported prompt."""
-    dtype = eval_dtype(cfg.eval.dtype, target.device, target.dtype)
-    tgt = target_in(target, dtype)
-    drafter = drafter_in(load_drafter(export_dir, cfg.pipeline.drafter_device), dtype)
-    n, block = cfg.eval.max_new_tokens, cfg.eval.block_size or cfg.drafter.block_size
-    how = dict(baseline=False, progress=cfg.metrics.console, packed=cfg.target.packed_linear)
+def configure_final_eval(cfg) -> None:
+    """Phase 6 is the run's own end-of-run evaluation (run/evaluation.py, in metrics.jsonl as
+    eval/*): the reported prompts of each embedded source decoded by ours, plain greedy
+    (speedup) and the reference loop; adaptive verify on the code prompts (speedup); tau_sim on
+    every reported prompt."""
+    e = cfg.eval
+    e.at_end, e.at_end_sources, e.at_end_baseline = True, list(EVAL_SOURCES), True
+    e.compare, e.at_end_adaptive = ["reference"], [CODE]
+
+
+def reported_embedded(heldout):
+    """The held-out set with only the embedded sources' prompts reported: every variant is
+    measured on the same prompts (a synthesised prompt held out stays a validation one or
+    nothing)."""
+    keep = [
+        i
+        for i, (src, role) in enumerate(zip(heldout.sources, heldout.roles))
+        if role != REPORT or src in EVAL_SOURCES
+    ]
+    return heldout.subset(keep)
+
+
+def heldout_checks(rec: dict) -> dict:
+    """quality_summary.json's `heldout` from the end-of-run evaluation's eval/* record, per
+    embedded source: tau (ours, the reference loop), speedup over plain greedy with full verify
+    and, on code, adaptive verify; tau_sim on every reported prompt."""
     out: dict = {}
     for src in EVAL_SOURCES:
-        prompts = [e.prompt for e in report if e.source == src]
-        if not prompts:
-            continue
-        spec = evaluate(tgt, drafter, prompts, n, block, **how).spec_results
-        ar = evaluate(tgt, None, prompts, n, 1, **how).spec_results
-        s = summarize(spec, ar, block)
-        ref = reference_tau(export_dir, tgt.model, prompts, n, block, tgt.eos_token_ids)
-        row = {"prompts": len(prompts), "tau": s.tau, "tau_reference_loop": ref["tau"]}
-        row.update(speedup=s.speedup, lossless=s.lossless_line())
+        if f"eval/tau/{src}" not in rec:
+            continue  # no reported prompt of this source
+        row = {"prompts": rec[f"eval/prompts/{src}"], "tau": rec[f"eval/tau/{src}"]}
+        row["tau_reference_loop"] = rec.get(f"eval/tau_reference/{src}")
+        row.update(speedup=rec.get(f"eval/speedup/{src}"))
+        row.update(lossless=rec.get(f"eval/lossless_line/{src}"))
         if src == CODE:
-            ad = evaluate(tgt, drafter, prompts, n, block, verify="adaptive", **how)
-            row["speedup_adaptive"] = summarize(ad.spec_results, ar, block).speedup
+            row["speedup_adaptive"] = rec.get(f"eval/speedup_adaptive/{src}")
         out[src] = row
         say(f"    {src}: {json.dumps(row)}")
-    sim = TauSim(tgt, [(e.id, e.ids, len(e.prompt)) for e in report]).run(drafter, n, block)
-    out["tau_sim"] = {"all": sim.tau}
-    for src in sorted({e.source for e in report}):
-        lens = [a for e, a in zip(report, sim.acceptance_lengths) if e.source == src]
-        out["tau_sim"][src] = mean_tau(lens)
+    sims = {
+        k.removeprefix("eval/tau_sim/"): v for k, v in rec.items() if k.startswith("eval/tau_sim/")
+    }
+    out["tau_sim"] = {"all": rec.get("eval/tau_sim", float("nan")), **dict(sorted(sims.items()))}
     return out
 
 
@@ -150,7 +143,8 @@ def tau_curve(run_dir: Path) -> list[dict]:
     for line in path.read_text(encoding="utf-8").splitlines():
         rec = json.loads(line) if line.strip() else {}
         t0 = rec.get("wall", t0) if t0 is None else t0
-        if "eval/tau" in rec and rec.get("wall") is not None and t0 is not None:
+        periodic = rec.get("eval/set", "validation") == "validation"  # not the end's heldout
+        if "eval/tau" in rec and periodic and rec.get("wall") is not None and t0 is not None:
             rows.append(
                 {
                     "minutes": round((rec["wall"] - t0) / 60, 2),
@@ -174,7 +168,7 @@ def build_config(args):
         set_value(cfg, k, v)
     if args.run_dir:
         cfg.run_dir = args.run_dir
-    cfg.eval.at_end = False  # phase 6 evaluates the export itself, per source
+    configure_final_eval(cfg)
     return cfg
 
 
@@ -197,13 +191,13 @@ def run(args) -> dict:
     train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
     phases.end("data")
     say(f"5/7 training on {len(train_set)} conversations ({int(train_set.lengths.sum())} tokens)")
-    result = train(cfg, target=target, train_set=train_set, heldout=heldout)
-    say(f"    {result.steps} steps in {phases.end('training'):.0f} s ({result.reason})")
-    report = [
-        e for e in heldout_examples(heldout, cfg) if e.role == REPORT and e.source in EVAL_SOURCES
-    ]
-    checks = heldout_checks(cfg, target, result.export_dir, report)
-    say(f"6/7 evaluated in {phases.end('evaluation'):.0f} s")
+    result = train(cfg, target=target, train_set=train_set, heldout=reported_embedded(heldout))
+    phases.end("training")
+    # train() ran the end-of-run evaluation after training: its seconds are their own phase
+    seconds = phases.carve("evaluation", result.eval.get("eval/seconds", 0.0), "training")
+    say(f"    {result.steps} steps in {phases.seconds['training']:.0f} s ({result.reason})")
+    checks = heldout_checks(result.eval)
+    say(f"6/7 evaluated in {seconds:.0f} s")
     try:
         write_report(run_dir)
     except Exception as e:  # the plots are a convenience, never fatal

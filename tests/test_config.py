@@ -231,6 +231,7 @@ PINNED_KEYS = {
         "at_end",
         "at_end_sources",
         "at_end_baseline",
+        "at_end_adaptive",
         "compare",
         "periodic_prompts",
         "dataset_prompts",

@@ -74,6 +74,25 @@ def test_periodic_subset_is_fixed_and_stratified():
     assert not {e.id for e in ev.validation} & {e.id for e in ev.report}
 
 
+def test_periodic_subset_takes_exactly_n_even_from_strata_of_one():
+    """One validation prompt per source and periodic_prompts=2: two prompts are evaluated
+    (a stratum of one used to give none, so periodic evaluation decoded nothing)."""
+    from dflash_trainer.run.evaluation import HeldoutPrompt
+
+    one_each = [HeldoutPrompt(f"{s}-0", s, VALIDATION, [1], [1, 2]) for s in ("a", "b", "c")]
+    picked = periodic_subset(one_each, 2, 0)
+    assert len(picked) == 2 and len({e.source for e in picked}) == 2
+    assert [e.id for e in picked] == [e.id for e in periodic_subset(one_each, 2, 0)]
+    # proportional beyond one per source, exactly n in total, every source represented
+    pool = [HeldoutPrompt(f"a-{i}", "a", VALIDATION, [1], [1, 2]) for i in range(7)]
+    pool += [HeldoutPrompt(f"b-{i}", "b", VALIDATION, [1], [1, 2]) for i in range(2)]
+    pool += [HeldoutPrompt("c-0", "c", VALIDATION, [1], [1, 2])]
+    for n in range(1, len(pool) + 1):
+        got = periodic_subset(pool, n, 0)
+        assert len(got) == n
+        assert len({e.source for e in got}) == min(n, 3)
+
+
 def _write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 

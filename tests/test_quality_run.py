@@ -85,7 +85,15 @@ def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
         row = s["heldout"][src]
         assert row["prompts"] >= 1 and row["tau"] >= 1.0
         assert row["tau_reference_loop"] == pytest.approx(row["tau"])  # fp32: the same tokens
-    assert "speedup_adaptive" in s["heldout"]["humaneval"]
+        assert row["speedup"] > 0 and row["lossless"].startswith("identical")
+    assert s["heldout"]["humaneval"]["speedup_adaptive"] > 0
+    assert "speedup_adaptive" not in s["heldout"]["mt-bench"]
+    # the numbers are the run's own end-of-run evaluation: metrics.jsonl has the same
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (ev,) = [r for r in rows if r.get("eval/set") == "heldout"]
+    assert ev["eval/tau/humaneval"] == s["heldout"]["humaneval"]["tau"]
+    assert ev["eval/speedup_adaptive/humaneval"] == s["heldout"]["humaneval"]["speedup_adaptive"]
+    assert ev["eval/tau_sim"] == s["heldout"]["tau_sim"]["all"]
     assert s["heldout"]["tau_sim"]["all"] >= 1.0
     assert [c["step"] for c in s["curve"]] == [3, 6] and all(c["tau"] >= 1.0 for c in s["curve"])
     answers = list((tmp_path / "cache").rglob("*.answers.jsonl"))

@@ -16,6 +16,7 @@ on all 6 prompts.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,14 +42,20 @@ def _show(capsys, text: str) -> None:
         print(text, flush=True)
 
 
-def _vllm_python_or_skip():
-    """The vLLM venv's python; a skip naming why where vLLM cannot run, a failure under
+def vllm_python() -> tuple[Path | None, str]:
+    """(the vLLM venv's python, "") where vLLM can run, else (None, why); a failure under
     DFLASH_REQUIRE_VLLM=1 (.ci/run on Linux x86_64, where the wheel exists)."""
     python = find_vllm_python()
     why = vllm_unavailable(python)
-    if why:
-        if os.environ.get("DFLASH_REQUIRE_VLLM") == "1":
-            pytest.fail(f"DFLASH_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
+    if why and os.environ.get("DFLASH_REQUIRE_VLLM") == "1":
+        pytest.fail(f"DFLASH_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
+    return (None, why or "") if why or python is None else (python, "")
+
+
+def _vllm_python_or_skip():
+    """The vLLM venv's python; a skip naming why where vLLM cannot run (see vllm_python)."""
+    python, why = vllm_python()
+    if python is None:
         pytest.skip(f"vLLM unavailable: {why}")
     return python
 

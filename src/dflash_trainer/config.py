@@ -527,6 +527,12 @@ class EvalConfig:
         "the end-of-run evaluation also decodes each prompt plainly (no drafter): eval/speedup "
         "and eval/lossless",
     )
+    at_end_adaptive: list[str] = _f(
+        [],
+        "sources whose decoded prompts the end-of-run evaluation also decodes with adaptive "
+        "verify (see eval.verify): eval/tau_adaptive/<source> and, with eval.at_end_baseline, "
+        "eval/speedup_adaptive/<source>",
+    )
     compare: list[str] = _f(
         [],
         "engines that also decode the evaluated prompts with the export, beside the project's "

@@ -30,6 +30,7 @@ from dflash_trainer.data.prepare import REPORT, prepare_data
 from dflash_trainer.eval.dtype import dtype_label
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.observe.progress import Phases
 from dflash_trainer.observe.report import write_report
 from dflash_trainer.pipeline.feature_cache import capture_for
 from dflash_trainer.run import TrainResult, rundir, train
@@ -55,24 +56,10 @@ def run(cfg: Config, args) -> int:
         logging.getLogger().removeHandler(handler)
 
 
-class _Phases:
-    """Wall seconds of each demo phase, in order (printed and kept in demo_summary.json)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._t = time.monotonic()
-
-    def end(self, name: str) -> float:
-        now = time.monotonic()
-        self.seconds[name] = round(now - self._t, 1)
-        self._t = now
-        return self.seconds[name]
-
-
 def _demo(cfg: Config, t_all: float) -> int:
     run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
-    phases = _Phases()
+    phases = Phases()
     _say(f"CPU: {cpu_kind()}, {torch.get_num_threads()} threads")
     _say(f"1/5 target {cfg.target.model} (dtype {cfg.target.dtype})")
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
@@ -116,10 +103,8 @@ def _demo(cfg: Config, t_all: float) -> int:
         "tau_sim on every reported prompt"
     )
     checks = heldout_checks(result.eval, cfg)
-    # train() ran the evaluation after training: its seconds move to their own phase
-    phases.seconds["evaluation"] = round(float(result.eval.get("eval/seconds", 0.0)), 1)
-    phases.seconds["training"] = round(phases.seconds["training"] - phases.seconds["evaluation"], 1)
-    _say(f"    evaluated in {phases.seconds['evaluation']:.0f} s")
+    seconds = phases.carve("evaluation", result.eval.get("eval/seconds", 0.0), "training")
+    _say(f"    evaluated in {seconds:.0f} s")
     _say("5/5 report")
     _summarize(run_dir, result, checks, t_all, phases)
     return 0
@@ -171,7 +156,7 @@ def heldout_checks(rec: dict[str, Any], cfg: Config) -> dict[str, Any]:
     return out
 
 
-def _summarize(run_dir: Path, result: TrainResult, checks: dict, t_all: float, phases: _Phases):
+def _summarize(run_dir: Path, result: TrainResult, checks: dict, t_all: float, phases: Phases):
     report_dir = None
     try:
         report_dir = write_report(run_dir)

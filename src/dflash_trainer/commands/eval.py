@@ -89,7 +89,7 @@ def run(cfg: Config, args: Any) -> int:
     run_.compare(engines, cfg.eval.max_new_tokens, block_size)
     problems = _report_compared(run_, cfg, target, drafter_dir)
     rec = {**run_.events(), "eval/set": "eval", "eval/dtype": dtype_label(dtype)}
-    payload = {
+    payload: dict[str, Any] = {
         "drafter": str(drafter_dir),
         "target": getattr(target, "name", cfg.target.model),
         "block_size": block_size,

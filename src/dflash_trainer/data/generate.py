@@ -288,21 +288,8 @@ def generate_responses(
         raise UserError("generate: generate.temperature must be >= 0 and generate.top_p in (0, 1].")
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    provenance = {
-        "target": target.name,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "thinking": rendering.enable_thinking,
-        **rendering.identity(),
-        # not settings a resumed file must share (_PROVENANCE_KEYS): files from before them resume
-        "engine": engine,
-        "seed": seed,
-        "dtype": str(target.dtype).replace("torch.", ""),
-        **(extra_provenance or {}),
-        # sampled answers come from one engine's sampler: a resume never mixes two streams
-        **({"sampler": SAMPLER if engine == "hf" else engine} if temperature > 0 else {}),
-    }
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    provenance = _provenance(target, settings, rendering, engine, seed, extra_provenance)
     done = read_done_ids(path, expect=provenance)
     todo = _todo(prompts, done, target.tokenizer, rendering)
     stats: dict[str, Any] = {
@@ -319,7 +306,6 @@ def generate_responses(
     tok = target.tokenizer
     eos = list(target.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
-    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
     t0 = time.perf_counter()
     if engine == "vllm":
         records, stats["new_tokens"] = _generate_vllm(
@@ -327,9 +313,7 @@ def generate_responses(
         )
         _append_records(path, records)
         stats["written"] = len(records)
-        stats["seconds"] = time.perf_counter() - t0
-        stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
-        return stats
+        return _timed(stats, t0)
     if engine != "hf":
         raise UserError(f"generate: engine '{engine}' is not one of hf, vllm.")
     with showing_progress(
@@ -346,6 +330,34 @@ def generate_responses(
             stats["seconds"] = time.perf_counter() - t0
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
+    return _timed(stats, t0)
+
+
+def _provenance(
+    target, settings: dict, rendering: Rendering, engine: str, seed: int, extra: dict | None
+) -> dict:
+    """What every answer record says made it (and a resumed file must match where it counts)."""
+    return {
+        "target": target.name,
+        **settings,  # max_new_tokens, temperature, top_p
+        "thinking": rendering.enable_thinking,
+        **rendering.identity(),
+        # not settings a resumed file must share (_PROVENANCE_KEYS): files from before them resume
+        "engine": engine,
+        "seed": seed,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        **(extra or {}),
+        # sampled answers come from one engine's sampler: a resume never mixes two streams
+        **(
+            {"sampler": SAMPLER if engine == "hf" else engine}
+            if settings["temperature"] > 0
+            else {}
+        ),
+    }
+
+
+def _timed(stats: dict, t0: float) -> dict:
+    """`stats` with the seconds since `t0` and the new tokens per second."""
     stats["seconds"] = time.perf_counter() - t0
     stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
     return stats

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import zlib
 from collections import defaultdict
 from pathlib import Path
@@ -74,27 +75,49 @@ def _stratum_rng(seed: int, salt: int, stratum: str) -> np.random.Generator:
 
 
 def stratified_pick(
-    strata: dict[str, list[str]], fraction: float, seed: int, salt: int, count: int = 0
+    strata: dict[str, list[str]],
+    fraction: float,
+    seed: int,
+    salt: int,
+    count: int = 0,
+    subset: bool = False,
 ) -> set[str]:
     """Ids drawn from every stratum: round(fraction * n) of each (at least one of a stratum with
     two or more when fraction > 0, never all of it), or `count` in total shared in proportion
-    to the strata's sizes. Seeded per (seed, salt, stratum name): adding a source does not
-    reshuffle the others."""
+    to the strata's sizes. `subset` (a sample of a pool, e.g. periodic evaluation's prompts):
+    exactly `count` (all when fewer), one per stratum first while `count` allows, then in
+    proportion (`_apportion`); a stratum may be taken whole. Seeded per (seed, salt, stratum
+    name): adding a source does not reshuffle the others."""
     total = sum(len(v) for v in strata.values())
     if total == 0 or (fraction <= 0 and count <= 0):
         return set()
+    pools = {name: sorted(set(strata[name])) for name in sorted(strata)}
+    take = _apportion({k: len(v) for k, v in pools.items()}, count) if subset else {}
     picked: set[str] = set()
-    for name in sorted(strata):
-        ids = sorted(set(strata[name]))
+    for name, ids in pools.items():
         n = len(ids)
-        k = round(count * n / total) if count > 0 else round(fraction * n)
-        if n > 1:
-            k = min(max(k, 1), n - 1)
-        else:
-            k = 0
+        if subset:
+            k = take[name]
+        else:  # a split: every stratum of two or more on both sides
+            k = round(count * n / total) if count > 0 else round(fraction * n)
+            k = min(max(k, 1), n - 1) if n > 1 else 0
         order = _stratum_rng(seed, salt, name).permutation(n)[:k]
         picked.update(ids[i] for i in order.tolist())
     return picked
+
+
+def _apportion(sizes: dict[str, int], count: int) -> dict[str, int]:
+    """`count` draws (at most every item) shared among strata of `sizes`: Huntington-Hill
+    priority n / sqrt(k (k + 1)), infinite at k = 0, so every stratum gets one before any gets
+    a second, then each next draw goes where it keeps the shares nearest proportional."""
+    k = dict.fromkeys(sizes, 0)
+    for _ in range(min(count, sum(sizes.values()))):
+        open_ = [s for s in sorted(sizes) if k[s] < sizes[s]]
+        best = max(
+            open_, key=lambda s: sizes[s] / math.sqrt(k[s] * (k[s] + 1)) if k[s] else math.inf
+        )
+        k[best] += 1
+    return k
 
 
 def split_roles(ids: list[str], sources: list[str], eval_cfg, seed: int) -> list[str]:

@@ -30,6 +30,9 @@ class DecodeEngine(Protocol):
     """One way of decoding prompts (token ids, rendered as in training) with a drafter."""
 
     name: str
+    # its decode times are on the project loop's clock, so its speedup is taken against the
+    # project loop's plain baseline (eval/speedup_<name>); False for another runtime's times
+    same_clock: bool
 
     def decode(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int
@@ -53,6 +56,7 @@ class ProjectLoop:
     packed: bool = True
     options: dict[str, Any] = field(default_factory=dict)  # evaluate's sampling/verify settings
     name: str = "project"
+    same_clock: bool = True
 
     def decode(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int
@@ -120,20 +124,35 @@ class EvalRun:
     compared: dict[str, dict[str, EvalSummary]] = field(default_factory=dict)  # engine -> group
     details: dict[str, dict[str, dict]] = field(default_factory=dict)  # engine -> group -> own
 
-    def compare(self, engines: Sequence[DecodeEngine], max_new_tokens: int, block: int) -> None:
-        """Each engine decodes every group's prompts (the ones our loop answered)."""
+    def compare(
+        self,
+        engines: Sequence[DecodeEngine],
+        max_new_tokens: int,
+        block: int,
+        groups: Sequence[str] = (),
+    ) -> None:
+        """Each engine decodes the prompts our loop answered in every group (of `groups` only,
+        when given). An engine on our clock gets its speedup against our plain baseline."""
         for e in engines:
             for g, s in self.groups.items():
-                self.compared.setdefault(e.name, {})[g] = e.decode(s.prompts, max_new_tokens, block)
+                if groups and g not in groups:
+                    continue
+                out = e.decode(s.prompts, max_new_tokens, block)
+                if e.same_clock and s.ar_tpot and out.tpot > 0:
+                    out.speedup = s.ar_tpot / out.tpot
+                self.compared.setdefault(e.name, {})[g] = out
                 self.details.setdefault(e.name, {})[g] = e.details()
 
     def events(self) -> dict[str, Any]:
-        """eval/tau, eval/tau/<group>, eval/tau_sim(/<group>), eval/tau_sim_gap, eval/speedup,
-        eval/lossless (1/0) and its line where a baseline ran, eval/tau_<engine> per compared
-        engine (eval/tau_reference, eval/tau_vllm), each also per group when there are several."""
+        """eval/tau, eval/tau/<group>, eval/prompts/<group>, eval/tau_sim(/<group>),
+        eval/tau_sim_gap, eval/speedup, eval/lossless (1/0) and its line where a baseline ran,
+        eval/tau_<engine> per compared engine (eval/tau_reference, eval/tau_vllm,
+        eval/tau_adaptive) and eval/speedup_<engine> (on our clock: against our plain baseline;
+        vLLM: against its own plain greedy); each also per group."""
         rec: dict[str, Any] = {"eval/tau": float(self.overall.tau)}
         for g, s in self.groups.items():
             rec[f"eval/tau/{g}"] = float(s.tau)
+            rec[f"eval/prompts/{g}"] = s.num_responses
         if self.sims:
             rec["eval/tau_sim"] = float(self.sims["all"])
             if self.sim_gap is not None:
@@ -146,11 +165,16 @@ class EvalRun:
         if o.lossless is not None:
             rec["eval/lossless"] = float(o.lossless)
             rec["eval/lossless_line"] = o.lossless_line()
+            rec.update(
+                {f"eval/lossless_line/{g}": s.lossless_line() for g, s in self.groups.items()}
+            )
         for name, by_group in self.compared.items():
             taus = [x for s in by_group.values() for x in _response_taus(s)]
             rec[f"eval/tau_{name}"] = sum(taus) / len(taus) if taus else 1.0
-            if len(by_group) > 1:
-                rec.update({f"eval/tau_{name}/{g}": s.tau for g, s in by_group.items()})
+            rec.update({f"eval/tau_{name}/{g}": s.tau for g, s in by_group.items()})
+            rec.update(
+                {f"eval/speedup_{name}/{g}": s.speedup for g, s in by_group.items() if s.speedup}
+            )
         return rec
 
 

@@ -86,6 +86,22 @@ def evaluate(
     device = _target_device(target)
     stop = list(target.eos_token_ids if stop_ids is None else stop_ids)
     args = (target.model, target.layer_ids, target.embed_weight, target.lm_head)
+
+    def run(ids: torch.Tensor, n: int, seed: int, spec: bool) -> GenResult:
+        """One prompt decoded: with the drafter (`spec`) or plainly (block 1, no drafter)."""
+        return generate_fn(
+            *args,
+            drafter if spec else None,
+            ids,
+            n,
+            block_size if spec else 1,
+            temperature,
+            top_p,
+            stop,
+            torch.Generator().manual_seed(seed),
+            **(how if spec else {}),
+        )
+
     spec, ar = [], []
     with (
         _eval_mode(target.model, drafter),
@@ -96,60 +112,14 @@ def evaluate(
     ):
         if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out
             w = _as_prompt(prompts[0], device)
-            generate_fn(
-                *args,
-                drafter,
-                w,
-                min(8, max_new_tokens),
-                block_size,
-                temperature,
-                top_p,
-                stop,
-                torch.Generator().manual_seed(seed),
-                **how,
-            )
+            run(w, min(8, max_new_tokens), seed, spec=True)
             if baseline:
-                generate_fn(
-                    *args,
-                    None,
-                    w,
-                    min(8, max_new_tokens),
-                    1,
-                    temperature,
-                    top_p,
-                    stop,
-                    torch.Generator().manual_seed(seed),
-                )
+                run(w, min(8, max_new_tokens), seed, spec=False)
         for i, p in enumerate(prompts):
             ids = _as_prompt(p, device)
-            spec.append(
-                generate_fn(
-                    *args,
-                    drafter,
-                    ids,
-                    max_new_tokens,
-                    block_size,
-                    temperature,
-                    top_p,
-                    stop,
-                    torch.Generator().manual_seed(seed + i),
-                    **how,
-                )
-            )
+            spec.append(run(ids, max_new_tokens, seed + i, spec=True))
             if baseline:
-                ar.append(
-                    generate_fn(
-                        *args,
-                        None,
-                        ids,
-                        max_new_tokens,
-                        1,
-                        temperature,
-                        top_p,
-                        stop,
-                        torch.Generator().manual_seed(seed + i),
-                    )
-                )
+                ar.append(run(ids, max_new_tokens, seed + i, spec=False))
             bar.update(1)
         s = summarize(spec, ar or None, block_size)
         s.decode_dtype = dtype_label(module_dtype(target.model))

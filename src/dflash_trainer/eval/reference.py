@@ -49,6 +49,7 @@ class ReferenceLoop:
     stop_ids: Sequence[int] = ()
     progress: bool = True
     name: str = "reference"
+    same_clock: bool = False  # its own times (no per-cycle clock): no speedup against ours
 
     def decode(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int

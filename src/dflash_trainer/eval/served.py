@@ -152,6 +152,7 @@ class ServedLoop:
     stop_ids: Sequence[int] = ()
     baseline: bool = True
     name: str = "vllm"
+    same_clock: bool = False  # vLLM's clock: its speedup is against its own plain greedy
     last: ServedEval | None = None
 
     def decode(

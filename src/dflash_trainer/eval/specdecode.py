@@ -9,6 +9,7 @@ length decides control flow); this module is eval-only and never runs inside a t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ def spec_generate(
 
 
 def ar_generate(
-    target_model: nn.Module,
+    target_model: Any,  # a Hugging Face causal LM (its input and output embeddings)
     input_ids: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 0.0,

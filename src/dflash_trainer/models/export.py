@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -185,7 +186,7 @@ def training_record(config: dict, *, step: int | None = None, source: str | None
     t = config.get("target", {}) or {}
     model = t.get("model")
     embedded = str(model or "").startswith("embedded:")
-    local = bool(model) and not embedded and Path(model).is_dir()
+    local = bool(model) and not embedded and Path(str(model)).is_dir()
     revision = t.get("revision") or None
     commit = _hub_commit(model, revision) if model and not local and not embedded else None
     return {
@@ -197,7 +198,7 @@ def training_record(config: dict, *, step: int | None = None, source: str | None
             "model": model,
             "revision": revision,
             "commit": commit,
-            "local_dir": str(Path(model).resolve()) if local else None,
+            "local_dir": str(Path(str(model)).resolve()) if local else None,
             # what a serving engine loads (vLLM `model=`, SGLang --model-path): the converted
             # directory for the embedded target, never `embedded:...` nor its Hub original
             "engine_model": _engine_model(t, model, embedded, local),
@@ -274,33 +275,9 @@ def export_weights(
     return out
 
 
-def _config_from_json(d: dict, path: Path) -> DFlashConfig:
-    def need(key, src=d):
-        if key not in src:
-            raise UserError(
-                f"{path}: missing field '{key}'. Re-export the drafter with "
-                "`dflash-trainer export` or fix the file."
-            )
-        return src[key]
-
-    dc = need("dflash_config")
-    arch = (d.get("architectures") or ["DFlashDraftModel"])[0]
-    variants = {a: v for v, a in ARCHITECTURES.items()}
-    if arch not in variants:
-        raise UserError(
-            f"{path}: architectures {d.get('architectures')}: this trainer loads "
-            f"{sorted(variants)} only."
-        )
-    variant = variants[arch]
-    dflash2 = {k: int(need(k, dc)) for k in DFLASH2_KEYS} if variant == "dflash2" else {}
-    for k in ("input_embedding_scale", "output_multiplier"):
-        if float(dc.get(k, 1.0)) != 1.0:
-            raise UserError(f"{path}: dflash_config.{k}={dc[k]} is not supported (only 1.0).")
-    if float(dc.get("final_logit_softcapping") or 0.0) > 0:
-        raise UserError(f"{path}: dflash_config.final_logit_softcapping is not supported.")
-    rp = d.get("rope_parameters") or {}
-    theta = d.get("rope_theta") or rp.get("rope_theta") or 1e6
-    known = {
+# config.json keys the loader reads or checks; any other key is kept in DFlashConfig.extra
+_KNOWN_CONFIG_KEYS = frozenset(
+    {
         "architectures",
         "model_type",
         "block_size",
@@ -328,6 +305,37 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
         "initializer_range",
         "dtype",
     }
+)
+
+
+def _config_from_json(d: dict, path: Path) -> DFlashConfig:
+    def need(key, src=d):
+        if key not in src:
+            raise UserError(
+                f"{path}: missing field '{key}'. Re-export the drafter with "
+                "`dflash-trainer export` or fix the file."
+            )
+        return src[key]
+
+    dc = need("dflash_config")
+    arch = (d.get("architectures") or ["DFlashDraftModel"])[0]
+    variants = {a: v for v, a in ARCHITECTURES.items()}
+    if arch not in variants:
+        raise UserError(
+            f"{path}: architectures {d.get('architectures')}: this trainer loads "
+            f"{sorted(variants)} only."
+        )
+    variant = variants[arch]
+    dflash2: dict[str, Any] = (
+        {k: int(need(k, dc)) for k in DFLASH2_KEYS} if variant == "dflash2" else {}
+    )
+    for k in ("input_embedding_scale", "output_multiplier"):
+        if float(dc.get(k, 1.0)) != 1.0:
+            raise UserError(f"{path}: dflash_config.{k}={dc[k]} is not supported (only 1.0).")
+    if float(dc.get("final_logit_softcapping") or 0.0) > 0:
+        raise UserError(f"{path}: dflash_config.final_logit_softcapping is not supported.")
+    rp = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta") or rp.get("rope_theta") or 1e6
     if d.get("attention_bias"):
         raise UserError(f"{path}: attention_bias=true is not supported (Qwen3 DFlash has none).")
     lt = d.get("layer_types") or []
@@ -353,7 +361,7 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
             init_std=float(d.get("initializer_range", 0.02)),
-            extra={k: v for k, v in d.items() if k not in known},
+            extra={k: v for k, v in d.items() if k not in _KNOWN_CONFIG_KEYS},
             variant=variant,
             **dflash2,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Iterator
 
 from tqdm import tqdm
@@ -68,3 +69,25 @@ def showing_progress(
     bar = progress_bar(total, desc=desc, unit=unit, enabled=enabled, initial=initial)
     with console_above_bar(bar), contextlib.closing(bar):
         yield bar
+
+
+class Phases:
+    """Wall seconds per phase of a long command (the demo, `make quality`), in order."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def end(self, name: str) -> float:
+        """Phase `name` ran from the previous end until now."""
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._t, 1)
+        self._t = now
+        return self.seconds[name]
+
+    def carve(self, name: str, seconds: float, out_of: str) -> float:
+        """`seconds` of phase `out_of` become phase `name` (train() ran the end-of-run
+        evaluation: its seconds, from the eval/* record, move to their own phase)."""
+        self.seconds[name] = round(float(seconds), 1)
+        self.seconds[out_of] = round(self.seconds[out_of] - self.seconds[name], 1)
+        return self.seconds[name]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, VALIDATION, split_roles, stratified_pick
 from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
@@ -31,6 +33,7 @@ from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import export_drafter, export_dtype, load_drafter
+from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ def periodic_subset(examples: list[HeldoutPrompt], n: int, seed: int) -> list[He
     strata = defaultdict(list)
     for e in examples:
         strata[e.source].append(e.id)
-    keep = stratified_pick(strata, 0.0, seed, 0x9E41, count=n)
+    keep = stratified_pick(strata, 0.0, seed, 0x9E41, count=n, subset=True)
     return [e for e in examples if e.id in keep]
 
 
@@ -91,7 +94,8 @@ class PeriodicEval:
         self.best = float("-inf")
         self.last_step = -1
         self.dtype = eval_dtype(cfg.eval.dtype, target.device, target.dtype) if ex else None
-        self._target = None  # the target in eval.dtype (a cast copy when it differs), lazily
+        # the target in eval.dtype (a cast copy when it differs), lazily
+        self._target: TargetModel | None = None
         self._sim: TauSim | None = None
         if cfg.eval.every_steps and self.periodic:
             log.info(
@@ -110,28 +114,32 @@ class PeriodicEval:
         return self.cfg.eval.block_size or self.cfg.drafter.block_size
 
     @property
+    def decode_dtype(self) -> torch.dtype:
+        """eval.dtype resolved (there are held-out prompts: else nothing is evaluated)."""
+        assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
+        return self.dtype
+
+    @property
     def dtype_name(self) -> str:
         """eval.dtype resolved, by name ("float32")."""
-        assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
-        return dtype_label(self.dtype)
+        return dtype_label(self.decode_dtype)
 
     def eval_target(self) -> Any:
         """The target in eval.dtype (a cast copy where training uses another dtype), made once;
         what every evaluation of this run decodes with (and the parity gate)."""
         if self._target is None:
-            assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
-            self._target = target_in(self.target, self.dtype)
+            target = target_in(self.target, self.decode_dtype)
             self._sim = TauSim(
-                self._target, [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report]
+                target, [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report]
             )
+            self._target = target
         return self._target
 
     def exported_drafter(self, export_dir: Path) -> Any:
         """The export as written (its stored dtype), cast to eval.dtype like every evaluation:
         what the reference loop and vLLM load too."""
-        assert self.dtype is not None, "no held-out prompts: nothing to evaluate"
         device = next(self.target.model.parameters()).device
-        return drafter_in(load_drafter(export_dir, device), self.dtype)
+        return drafter_in(load_drafter(export_dir, device), self.decode_dtype)
 
     def _measure(
         self,
@@ -143,13 +151,16 @@ class PeriodicEval:
         """The one evaluation of held-out prompts: the `decoded` ones (default all `examples`)
         decoded by the project's loop, per source; tau_sim replayed on every one of `examples`
         (eval.tau_sim). With `export_dir` (the end of the run) the export is decoded, and the
-        baseline and the compared engines (eval.at_end_baseline, eval.compare) run too."""
+        baseline and the compared engines (eval.at_end_baseline, eval.compare,
+        eval.at_end_adaptive) run too."""
         e = self.cfg.eval
         decoded = examples if decoded is None else decoded
         target = self.eval_target()
         final = export_dir is not None
         drafter = (
-            self.exported_drafter(export_dir) if final else drafter_in(self.drafter, self.dtype)
+            self.exported_drafter(export_dir)
+            if export_dir is not None
+            else drafter_in(self.drafter, self.decode_dtype)
         )
         loop = ProjectLoop(
             target,
@@ -160,23 +171,53 @@ class PeriodicEval:
         )
         s = loop.decode([x.prompt for x in decoded], e.max_new_tokens, self.block_size)
         run = EvalRun(groups=_by_source(decoded, s), overall=s)
-        if final and e.compare:
-            label = dtype_label(self.dtype)
+        if export_dir is not None:
+            self._compare(run, drafter, export_dir, progress)
+        if e.tau_sim and self._sim is not None:
+            self._simulate(run, drafter, examples, decoded, progress)
+        return run
+
+    def _compare(self, run: EvalRun, drafter: Any, export_dir: Path, progress: bool) -> None:
+        """The end of the run: eval.compare's engines on every group, and the project loop with
+        adaptive verify on eval.at_end_adaptive's sources."""
+        e, target = self.cfg.eval, self.eval_target()
+        if e.compare:
+            label = self.dtype_name
             engines = [comparison_engine(n, self.cfg, target, export_dir, label) for n in e.compare]
             run.compare(engines, e.max_new_tokens, self.block_size)
-        if e.tau_sim and self._sim is not None:
-            sim = self._sim.run(
-                drafter, e.max_new_tokens, self.block_size, [x.id for x in examples], progress
+        if e.at_end_adaptive:
+            adaptive = ProjectLoop(
+                target,
+                drafter,
+                progress=progress,
+                packed=self.cfg.target.packed_linear,
+                options={"verify": "adaptive"},
+                name="adaptive",
             )
-            lens = dict(zip(sim.keys, sim.acceptance_lengths))
-            replayed = defaultdict(list)
-            for x in examples:
-                replayed[x.source].append(lens[x.id])
-            run.sims = {"all": sim.tau}
-            run.sims.update({src: mean_tau(ls) for src, ls in sorted(replayed.items())})
-            run.sim_gap = mean_tau([lens[x.id] for x in decoded]) - s.tau
-            run.sim_prompts = len(examples)
-        return run
+            run.compare([adaptive], e.max_new_tokens, self.block_size, e.at_end_adaptive)
+
+    def _simulate(
+        self,
+        run: EvalRun,
+        drafter: Any,
+        examples: list[HeldoutPrompt],
+        decoded: list[HeldoutPrompt],
+        progress: bool,
+    ) -> None:
+        """tau_sim replayed on every one of `examples`: overall, per source, and its gap to the
+        measured tau on the `decoded` ones."""
+        e = self.cfg.eval
+        assert self._sim is not None
+        ids = [x.id for x in examples]
+        sim = self._sim.run(drafter, e.max_new_tokens, self.block_size, ids, progress)
+        lens = dict(zip(sim.keys, sim.acceptance_lengths))
+        replayed = defaultdict(list)
+        for x in examples:
+            replayed[x.source].append(lens[x.id])
+        run.sims = {"all": sim.tau}
+        run.sims.update({src: mean_tau(ls) for src, ls in sorted(replayed.items())})
+        run.sim_gap = mean_tau([lens[x.id] for x in decoded]) - run.overall.tau
+        run.sim_prompts = len(examples)
 
     def _record(
         self,
@@ -194,7 +235,7 @@ class PeriodicEval:
             {
                 "eval/prompts": run.overall.num_responses,
                 "eval/set": which,
-                "eval/dtype": dtype_label(self.dtype),
+                "eval/dtype": self.dtype_name,
                 "eval/step": step,
             }
         )
