@@ -292,14 +292,8 @@ def generate_responses(
     provenance = _provenance(target, settings, rendering, engine, seed, extra_provenance)
     done = read_done_ids(path, expect=provenance)
     todo = _todo(prompts, done, target.tokenizer, rendering)
-    stats: dict[str, Any] = {
-        "skipped_done": len(done),
-        "written": 0,
-        "new_tokens": 0,
-        "seconds": 0.0,
-        "tokens_per_s": 0.0,
-        "output": str(path),
-    }
+    stats: dict[str, Any] = dict(skipped_done=len(done), written=0, new_tokens=0, seconds=0.0)
+    stats.update(tokens_per_s=0.0, output=str(path))
     if not todo:
         return stats
 
@@ -324,13 +318,18 @@ def generate_responses(
             records, new_tokens = _generate_batch(
                 target, chunk, settings, pad_id, seed, provenance, rendering, capture
             )
-            stats["new_tokens"] += new_tokens
             _append_records(path, records)
-            stats["written"] += len(records)
-            stats["seconds"] = time.perf_counter() - t0
+            _count_batch(stats, len(records), new_tokens, t0)
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
     return _timed(stats, t0)
+
+
+def _count_batch(stats: dict, written: int, new_tokens: int, t0: float) -> None:
+    """A written batch's records and new tokens into generate's running counts."""
+    stats["written"] += written
+    stats["new_tokens"] += new_tokens
+    stats["seconds"] = time.perf_counter() - t0
 
 
 def _provenance(
