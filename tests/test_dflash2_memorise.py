@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.eval.specdecode import evaluate
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.models.export import load_drafter
 from memorised import BLOCK, N_CONV, NEW_TOKENS, memorise
 
