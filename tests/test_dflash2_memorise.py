@@ -1,28 +1,48 @@
 """tests/test_memorise.py with drafter.variant=dflash2: the real training path memorises the same
-conversations and the project's loop then accepts long drafts of the DFlash2 export.
+conversations, and the project's loop, drafting by the selector walk (decode/draft.py ->
+`DFlashDrafter.propose`), then accepts long drafts of the DFlash2 export.
 
-The loop drafts by argmax of the LM head (eval/ does not call the selector walk yet:
-`DFlashDrafter.propose` is the seam it will use), so this checks the convolutions, the selector
-loss beside the block loss, export and load through the whole path, not the walk's own tau."""
+Measured for issue 33 (6 prompts x 24 tokens, the preset's loss on slots 1..4, 80 epochs, the
+same harness for both): DFlash tau 5.08 (tests/test_memorise.py; docs/export.md); DFlash2 walk
+9.58, argmax drafting on the same weights 4.98, and 4.79 with selector_weight 0 (the
+convolutions alone). The convolutions learn what DFlash learns. The selector, trained
+teacher-forced on slots 1..4, carries the walk past the trained slots (docs/dflash2.md,
+"Memorisation").
+
+Runtime: a second memorisation beside the DFlash one (the `memorised` fixture), so it trains
+fewer epochs than that one (EPOCHS). In the 80-epoch run the walk's simulated acceptance
+was 4.5 of 5 by step 47, and the training loss was 0.27.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash_trainer.eval.specdecode import evaluate
+from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.models.export import load_drafter
 from memorised import BLOCK, N_CONV, NEW_TOKENS, memorise
+
+EPOCHS = 50
 
 
 @pytest.mark.slow
 def test_dflash2_memorises_through_the_real_path(tmp_path):
-    m = memorise(tmp_path, ("--drafter.variant=dflash2",))
+    m = memorise(tmp_path, ("--drafter.variant=dflash2", f"--optim.epochs={EPOCHS}"))
     drafter = load_drafter(m.export_dir, "cpu", torch.float32)
     assert drafter.config.is_dflash2
-    with torch.inference_mode():
-        s = evaluate(
-            m.target, drafter, m.prompt_ids, NEW_TOKENS, BLOCK, baseline=False, warmup=False
-        )
-    print(f"memorise dflash2: {N_CONV} conversations, {m.steps} steps; tau {s.tau:.2f}")
-    assert s.tau > 3.0, s.tau
+
+    def tau(d) -> float:
+        with torch.inference_mode():
+            how = dict(baseline=False, warmup=False, progress=False)
+            return evaluate(m.target, d, m.prompt_ids, NEW_TOKENS, BLOCK, **how).tau
+
+    walk = tau(drafter)
+    drafter.candidate_selector = None  # the same weights, drafting by argmax
+    argmax = tau(drafter)
+    print(
+        f"memorise dflash2: {N_CONV} conversations, {m.steps} steps; tau {walk:.2f} "
+        f"(argmax drafting {argmax:.2f}); train {m.t_train:.0f} s"
+    )
+    assert walk > 3.0, walk
+    assert walk >= argmax, (walk, argmax)  # the trained selector does not cost acceptance
