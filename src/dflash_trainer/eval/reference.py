@@ -9,6 +9,7 @@ verifying. Same prompts, same stop ids, same block size: in fp32 its tau equals 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,17 @@ def _cpu_clock(ref_model_module: Any) -> Iterator[None]:
         ref_model_module._cuda_time = saved
 
 
+def reference_class(ref_model_module: Any, export_dir: str | Path) -> Any:
+    """The reference class that loads the export: DFlash2DraftModel when its config.json names
+    that architecture (docs/dflash2.md), else DFlashDraftModel; the reference's own benchmark
+    picks it the same way. DFlashDraftModel would load a DFlash2 export without its convolutions
+    and selector, with a warning only."""
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    if "DFlash2DraftModel" in (cfg.get("architectures") or []):
+        return ref_model_module.DFlash2DraftModel
+    return ref_model_module.DFlashDraftModel
+
+
 @dataclass
 class ReferenceLoop:
     """The reference loop as a DecodeEngine (eval/engines.py): the export in `export_dir` drafting
@@ -62,7 +74,8 @@ class ReferenceLoop:
                 "pip install --no-deps dflash==0.1.0"
             ) from None
         param = next(self.target_model.parameters())
-        drafter = ref.DFlashDraftModel.from_pretrained(str(self.export_dir), dtype=param.dtype)
+        cls = reference_class(ref, self.export_dir)
+        drafter = cls.from_pretrained(str(self.export_dir), dtype=param.dtype)
         drafter = drafter.to(param.device).eval()
         results = []
         with (
