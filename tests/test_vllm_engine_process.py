@@ -43,3 +43,45 @@ def test_a_hung_worker_is_stopped_with_its_children(tmp_path):
     while _alive(child) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(child), "the worker's child outlived the timeout"
+
+
+_WORKER_LIKE = """
+import subprocess, sys, time
+sys.path.insert(0, {src!r})
+from dflash_trainer.models import vllm_worker
+vllm_worker._die_with_parent()
+child = subprocess.Popen(["sleep", "300"])  # like vLLM's engine core
+open({pids!r}, "w").write(f"{{child.pid}}")
+time.sleep(300)
+"""
+
+_PARENT = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", {code!r}], start_new_session=True)
+time.sleep(300)
+"""
+
+
+def test_the_worker_and_its_children_end_when_the_project_is_killed(tmp_path):
+    """The worker's watchdog: the project's process killed outright (no finally runs) still
+    takes the worker and vLLM's processes with it."""
+    import subprocess
+    from pathlib import Path
+
+    import dflash_trainer.models.vllm_worker as vw
+
+    src = str(Path(vw.__file__).parents[2])
+    pids = tmp_path / "pids"
+    code = _WORKER_LIKE.format(src=src, pids=str(pids))
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT.format(code=code)])
+    deadline = time.time() + 60
+    while not pids.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    child = int(pids.read_text())
+    assert _alive(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 15
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "vLLM's processes outlived the killed project process"

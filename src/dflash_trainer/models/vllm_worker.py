@@ -26,11 +26,11 @@ position.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import sys
+import threading
 import time
 
 # Run by path, Python puts this file's directory first on sys.path: the project's modules there
@@ -66,14 +66,24 @@ def _diff(after: dict, before: dict) -> dict:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGTERM this worker when the project's process dies (killed, not only exited), and
-    turn SIGTERM into a normal exit so vLLM shuts its engine-core processes down too."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    """End this worker and vLLM's engine processes with the project's process, even when that
+    is killed: a watchdog thread polls the parent (a signal handler would wait for the main
+    thread to leave vLLM's C calls) and kills the worker's process group (VLLMEngine starts the
+    worker as its leader) when the parent is gone or SIGTERM arrives."""
+    parent = os.getppid()
+
+    def end_group(*_: object) -> None:
+        if os.getpgid(0) == os.getpid():  # the worker leads its group: take vLLM's children too
+            os.killpg(0, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        end_group()
+
+    signal.signal(signal.SIGTERM, end_group)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
