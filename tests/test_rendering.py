@@ -58,16 +58,13 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def generate_args(prompts, output, max_new_tokens=2, batch_size=1):
-    return SimpleNamespace(
-        prompts=str(prompts),
-        limit=0,
-        output=str(output),
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        temperature=0.0,
-        top_p=1.0,
-    )
+def generate_args(cfg, prompts, output, max_new_tokens=2, batch_size=1):
+    """`generate`'s settings are the config's [generate] section: set them on `cfg` (the
+    command's argparse namespace carries nothing of its own)."""
+    g = cfg.generate
+    g.prompts, g.out, g.limit = str(prompts), str(output), 0
+    g.max_new_tokens, g.batch_size, g.temperature, g.top_p = max_new_tokens, batch_size, 0.0, 1.0
+    return SimpleNamespace()
 
 
 def three_prompts(cfg, target, monkeypatch, tmp_path) -> tuple[list, list, list]:
@@ -89,7 +86,7 @@ def three_prompts(cfg, target, monkeypatch, tmp_path) -> tuple[list, list, list]
 
     monkeypatch.setattr(gen, "decode_batch", decode)
     monkeypatch.setattr(TargetModel, "load", classmethod(lambda cls, c, d: target))
-    assert generate_command.run(cfg, generate_args(src, tmp_path / "gen.jsonl")) == 0
+    assert generate_command.run(cfg, generate_args(cfg, src, tmp_path / "gen.jsonl")) == 0
 
     def evaluate(target, drafter, prompts, *a, **k):  # evaluation: what is decoded
         seen.extend(prompts)
@@ -164,7 +161,7 @@ def test_a_missing_chat_template_file_is_named_before_any_work(tmp_path, monkeyp
 
     monkeypatch.setattr(TargetModel, "load", no_load)
     with pytest.raises(UserError, match=r"nope\.jinja' is not a file"):
-        generate_command.run(cfg, generate_args("embedded", tmp_path / "g.jsonl"))
+        generate_command.run(cfg, generate_args(cfg, "embedded", tmp_path / "g.jsonl"))
 
 
 # ------------------------------------------------------------------------------ raw text
@@ -252,7 +249,7 @@ def test_a_tokenizer_without_template_names_both_ways_forward(tmp_path, monkeypa
     )
     cfg = config(tmp_path)
     with pytest.raises(UserError, match=both):
-        generate_command.run(cfg, generate_args(tmp_path / "c.jsonl", tmp_path / "g.jsonl"))
+        generate_command.run(cfg, generate_args(cfg, tmp_path / "c.jsonl", tmp_path / "g.jsonl"))
     # the second way forward: a template file
     assert Rendering(chat_template=CHATML_TEMPLATE).prompt_ids(tok, PROMPT)
 
@@ -292,7 +289,7 @@ def test_base_model_without_template_generates_trains_and_evaluates(tmp_path, mo
     )
 
     # generate: the target continues each prompt's raw text; the record is a text-format pair
-    assert generate_command.run(cfg, generate_args(prompts, answers, 10, 4)) == 0
+    assert generate_command.run(cfg, generate_args(cfg, prompts, answers, 10, 4)) == 0
     recs = read_jsonl(answers)
     assert len(recs) == 12 and set(recs[0]) == {"id", "prompt", "completion", "provenance"}
     assert recs[0]["provenance"]["format"] == "text"
