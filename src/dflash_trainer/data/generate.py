@@ -29,7 +29,7 @@ from dflash_trainer.decode.loop import decode
 from dflash_trainer.decode.sampler import Sampler, hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.embedded import cache_root
-from dflash_trainer.models.precision import dtype_name
+from dflash_trainer.models.precision import dtype_label, dtype_name
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.models.vllm_engine import VLLMEngine, engine_for_config
 from dflash_trainer.observe.progress import showing_progress
@@ -344,7 +344,7 @@ def _provenance(
         # not settings a resumed file must share (_PROVENANCE_KEYS): files from before them resume
         "engine": engine,
         "seed": seed,
-        "dtype": str(target.dtype).replace("torch.", ""),
+        "dtype": dtype_label(target.dtype),
         **(extra or {}),
         # sampled answers come from one engine's sampler: a resume never mixes two streams
         **(

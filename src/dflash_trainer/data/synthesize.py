@@ -40,6 +40,7 @@ from dflash_trainer.data.sources import Conversation
 from dflash_trainer.decode.sampler import Sampler, hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import write_atomic
+from dflash_trainer.models.precision import dtype_label
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +303,7 @@ def synthesize_prompts(cfg, target, out_path, engine_choice: str = "auto") -> di
         raise UserError("synth.prompts must be >= 1 to synthesise prompts.")
     hints = list(s.hints) or [""]
     engine, vllm = choose_engine(cfg, engine_choice, s.prompts * s.max_tokens)
-    dtype = vllm.dtype if vllm is not None else str(target.dtype).replace("torch.", "")
+    dtype = vllm.dtype if vllm is not None else dtype_label(target.dtype)
     prov = synth_provenance(cfg, engine, dtype)
     path = Path(out_path)
     old = _reusable(path, prov, s.prompts)

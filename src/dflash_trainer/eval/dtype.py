@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.models.precision import DTYPES, module_dtype
+from dflash_trainer.models.precision import DTYPES, dtype_label, module_dtype
 from dflash_trainer.models.target import TargetModel
+
+__all__ = ["drafter_in", "dtype_label", "eval_dtype", "target_in"]  # dtype_label: precision's
 
 
 def eval_dtype(name: str, device: str | torch.device, model_dtype: torch.dtype) -> torch.dtype:
@@ -22,10 +24,6 @@ def eval_dtype(name: str, device: str | torch.device, model_dtype: torch.dtype) 
     if name != "auto":
         return DTYPES[name]
     return torch.float32 if torch.device(device).type == "cpu" else model_dtype
-
-
-def dtype_label(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def target_in(target: TargetModel, dtype: torch.dtype) -> TargetModel:

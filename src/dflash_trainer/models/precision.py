@@ -22,6 +22,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """A torch dtype as results and provenance name it: 'bfloat16', 'float32'."""
+    return str(dtype).removeprefix("torch.")
+
+
 # The one seam over the hardware probe: "1" or "0" answers for the CPU (tests run each
 # dtype-dependent case under both answers; a user can force either). Unset: ask oneDNN.
 NATIVE_BF16_ENV = "DFLASH_TRAINER_CPU_NATIVE_BF16"
