@@ -259,6 +259,36 @@ def test_cast_is_a_target_in_the_other_dtype_with_its_own_taps(build):
     assert all(h.id in half.layers[i]._forward_hooks for h, i in zip(half._hooks, (0, 2)))
 
 
+def test_cast_while_the_pipeline_hooks_the_layers():
+    """The target worker borrows cores through a pre-hook on every layer, a bound method of an
+    object holding locks (pipeline/workers.py). A periodic evaluation casts the training target
+    (bf16 on a CPU with native bf16) while those hooks are on: the copy must not carry them
+    (deepcopy cannot copy a lock: a 30-minute `make quality` run died at its first periodic
+    evaluation), and the original keeps them, untouched."""
+    import threading
+
+    class Worker:
+        def __init__(self):
+            self.lock, self.calls = threading.Lock(), 0
+
+        def pre_hook(self, _module, _args):
+            self.calls += 1
+
+    target = TargetModel.from_hf(tiny_llama(), None, [0, 2])
+    worker = Worker()
+    handles = [layer.register_forward_pre_hook(worker.pre_hook) for layer in target.layers]
+    half = target.cast(torch.bfloat16)
+    assert all(not layer._forward_pre_hooks for layer in half.layers)
+    assert all(h.id in layer._forward_pre_hooks for h, layer in zip(handles, target.layers))
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = half.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert_close(half.features(ids), torch.cat([ref[1], ref[3]], -1), atol=0, rtol=0)
+    assert worker.calls == 0  # the copy's forwards never ran the worker's hook
+    target.features(ids)
+    assert worker.calls == len(target.layers[:3])  # the original's did (stops after tap 2)
+
+
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3])
 def test_tap_check_passes_on_a_correct_capture(build):
     t = TargetModel.from_hf(build(layers=6), None, [0, 2, 5])  # last layer: not compared

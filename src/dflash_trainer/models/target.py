@@ -419,11 +419,7 @@ class TargetModel:
         changed in place). Tokenizer, taps, name and stop ids are shared."""
         if self.dtype == dtype:
             return self
-        model = copy.deepcopy(self.model)
-        # the copy carries this target's hooks (deepcopy copies hook dicts): drop them, the
-        # copy's own TargetModel installs its own
-        for lid, h in zip(self.layer_ids, self._hooks):
-            decoder_layers(model)[lid]._forward_hooks.pop(h.id, None)
+        model = _copy_without_hooks(self.model)
         out = TargetModel(model.to(dtype), self.tokenizer, self.layer_ids, self.name)
         out.eos_token_ids = list(self.eos_token_ids)
         return out
@@ -433,6 +429,20 @@ class TargetModel:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _copy_without_hooks(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose modules carry no forward or backward hooks. A hook belongs to
+    whoever registered it (this target's taps; the pipeline's core-borrowing pre-hook, a bound
+    method of the target worker and its locks, which cannot be copied): the copy gets its own
+    TargetModel's taps and nothing else. The original is only read, never changed: the target
+    worker may be running it in another thread."""
+    fresh: dict[int, object] = {}
+    for m in model.modules():
+        for name, value in vars(m).items():
+            if name.startswith(("_forward", "_backward")) and isinstance(value, dict):
+                fresh[id(value)] = type(value)()  # deepcopy takes memo entries as the copies
+    return copy.deepcopy(model, fresh)
 
 
 def _common_load_kwargs(target_cfg) -> dict:
