@@ -264,7 +264,9 @@ def test_cast_while_the_pipeline_hooks_the_layers():
     object holding locks (pipeline/workers.py). A periodic evaluation casts the training target
     (bf16 on a CPU with native bf16) while those hooks are on: the copy must not carry them
     (deepcopy cannot copy a lock: a 30-minute `make quality` run died at its first periodic
-    evaluation), and the original keeps them, untouched."""
+    evaluation), and the original keeps them, untouched. transformers' own hooks (installed once
+    per model, on its first `output_hidden_states` call) stay on the copy: without them the
+    copy returned one hidden state and the published reference loop failed on it."""
     import threading
 
     class Worker:
@@ -275,14 +277,17 @@ def test_cast_while_the_pipeline_hooks_the_layers():
             self.calls += 1
 
     target = TargetModel.from_hf(tiny_llama(), None, [0, 2])
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # transformers installs its output-capturing hooks on the first call
+        n_states = len(target.model(input_ids=ids, output_hidden_states=True).hidden_states)
     worker = Worker()
     handles = [layer.register_forward_pre_hook(worker.pre_hook) for layer in target.layers]
     half = target.cast(torch.bfloat16)
     assert all(not layer._forward_pre_hooks for layer in half.layers)
     assert all(h.id in layer._forward_pre_hooks for h, layer in zip(handles, target.layers))
-    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
+    with torch.no_grad():  # the copy keeps transformers' hooks (what the reference loop reads)
         ref = half.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(ref) == n_states == len(target.layers) + 1
     assert_close(half.features(ids), torch.cat([ref[1], ref[3]], -1), atol=0, rtol=0)
     assert worker.calls == 0  # the copy's forwards never ran the worker's hook
     target.features(ids)

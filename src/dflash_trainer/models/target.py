@@ -432,17 +432,27 @@ class TargetModel:
 
 
 def _copy_without_hooks(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` whose modules carry no forward or backward hooks. A hook belongs to
-    whoever registered it (this target's taps; the pipeline's core-borrowing pre-hook, a bound
-    method of the target worker and its locks, which cannot be copied): the copy gets its own
-    TargetModel's taps and nothing else. The original is only read, never changed: the target
-    worker may be running it in another thread."""
-    fresh: dict[int, object] = {}
+    """A deep copy of `model` that keeps only transformers' own forward and backward hooks: the
+    copy computes the model as transformers defines it. Dropped: whatever else is attached, such
+    as this target's taps (the copy's TargetModel installs its own) and the pipeline's
+    core-borrowing pre-hook (a bound method of the target worker, which holds locks a deepcopy
+    cannot copy). Kept: transformers' output-capturing hooks, installed once per model (a flag
+    on the model, copied with it, says so): the copy's `output_hidden_states` needs them. The
+    original is only read, never changed: the target worker may be running it in another
+    thread."""
+
+    def foreign(hook: object) -> bool:
+        return not str(getattr(hook, "__module__", "")).startswith("transformers.")
+
+    memo: dict[int, object] = {}
     for m in model.modules():
-        for name, value in vars(m).items():
-            if name.startswith(("_forward", "_backward")) and isinstance(value, dict):
-                fresh[id(value)] = type(value)()  # deepcopy takes memo entries as the copies
-    return copy.deepcopy(model, fresh)
+        for name, hooks in vars(m).items():
+            if not (name.startswith(("_forward", "_backward")) and name.endswith("hooks")):
+                continue  # (the *_with_kwargs / *_always_called dicts hold flags, not hooks)
+            if isinstance(hooks, dict) and any(foreign(h) for h in hooks.values()):
+                kept = ((k, copy.deepcopy(h, memo)) for k, h in hooks.items() if not foreign(h))
+                memo[id(hooks)] = type(hooks)(kept)  # deepcopy takes a memo entry as the copy
+    return copy.deepcopy(model, memo)
 
 
 def _common_load_kwargs(target_cfg) -> dict:
