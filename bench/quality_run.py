@@ -10,7 +10,8 @@ Phases (preset smollm2-quality; the time plan is in the preset's header):
                    eval.every_steps (eval/tau and eval/tau_sim against wall minutes: the curve)
   6. evaluation    the export on the reported held-out prompts of each embedded source (never
                    trained on; synthesised prompts are never near them): tau of the project's
-                   loop with the published reference loop beside it, plain greedy (speedup),
+                   loop with the published reference loop and vLLM (where installed) beside
+                   it, plain greedy (speedup),
                    adaptive verify on the code prompts (speedup), tau_sim per source
   7. report        run report (plots) and quality_summary.json: phases, tau per source, curve
 
@@ -43,6 +44,7 @@ from dflash_trainer.data.synthesize import as_prompts, synth_provenance, synthes
 from dflash_trainer.models.embedded import cache_root
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.models.vllm_engine import find_vllm_python, vllm_unavailable
 from dflash_trainer.observe.progress import Phases
 from dflash_trainer.observe.report import write_report
 from dflash_trainer.run import rundir, train
@@ -89,14 +91,21 @@ def synth_sources(cfg, target, args, phases: Phases) -> list[str]:
     return [str(answers)]
 
 
-def configure_final_eval(cfg) -> None:
+def configure_final_eval(cfg, compare: str = "auto") -> None:
     """Phase 6 is the run's own end-of-run evaluation (run/evaluation.py, in metrics.jsonl as
     eval/*): the reported prompts of each embedded source decoded by ours, plain greedy
-    (speedup) and the reference loop; adaptive verify on the code prompts (speedup); tau_sim on
-    every reported prompt."""
+    (speedup), the reference loop and, where vLLM is installed (`make quality` installs it),
+    vLLM serving the export; adaptive verify on the code prompts (speedup); tau_sim on every
+    reported prompt. `compare`: the engines beside ours, comma-separated, or auto (the reference
+    loop, and vLLM where installed)."""
     e = cfg.eval
     e.at_end, e.at_end_sources, e.at_end_baseline = True, list(EVAL_SOURCES), True
-    e.compare, e.at_end_adaptive = ["reference"], [CODE]
+    if compare == "auto":
+        served = vllm_unavailable(find_vllm_python(e.vllm_python)) is None
+        e.compare = ["reference"] + (["vllm"] if served else [])
+    else:
+        e.compare = [c for c in compare.split(",") if c]
+    e.at_end_adaptive = [CODE]
 
 
 def reported_embedded(heldout):
@@ -121,6 +130,7 @@ def heldout_checks(rec: dict) -> dict:
             continue  # no reported prompt of this source
         row = {"prompts": rec[f"eval/prompts/{src}"], "tau": rec[f"eval/tau/{src}"]}
         row["tau_reference_loop"] = rec.get(f"eval/tau_reference/{src}")
+        row["tau_vllm"] = rec.get(f"eval/tau_vllm/{src}")  # None where vLLM is not installed
         row.update(speedup=rec.get(f"eval/speedup/{src}"))
         row.update(lossless=rec.get(f"eval/lossless_line/{src}"))
         if src == CODE:
@@ -168,7 +178,7 @@ def build_config(args):
         set_value(cfg, k, v)
     if args.run_dir:
         cfg.run_dir = args.run_dir
-    configure_final_eval(cfg)
+    configure_final_eval(cfg, args.compare)
     return cfg
 
 
@@ -227,6 +237,12 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=192, help="tokens per answer")
     ap.add_argument("--top-p", type=float, default=0.95, help="synth-sampled answers' top-p")
     ap.add_argument("--raw", default="", help="raw-kd: conversations the target did not write")
+    ap.add_argument(
+        "--compare",
+        default="auto",
+        help="engines decoding the held-out prompts beside ours: reference,vllm (comma-separated) "
+        "or auto (the reference loop, and vLLM where installed)",
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default="", help="also write the summary here")
     args = ap.parse_args(argv)

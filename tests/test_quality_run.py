@@ -71,7 +71,9 @@ def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
         "metrics.console": "false",
     }
     out = tmp_path / "summary.json"
+    # the reference loop beside ours; vLLM's served comparison has tests of its own
     argv = ["--variant", variant, "--engine", "hf", "--answer-tokens", "8"]
+    argv += ["--compare", "reference"]
     argv += ["--run-dir", str(tmp_path / "run"), "--json", str(out)]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
