@@ -266,7 +266,7 @@ def test_cast_while_the_pipeline_hooks_the_layers():
     (deepcopy cannot copy a lock: a 30-minute `make quality` run died at its first periodic
     evaluation), and the original keeps them, untouched. transformers' own hooks (installed once
     per model, on its first `output_hidden_states` call) stay on the copy: without them the
-    copy returned one hidden state and the published reference loop failed on it."""
+    copy returned no hidden states and the published reference loop failed on it."""
     import threading
 
     class Worker:
