@@ -27,8 +27,7 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, prepare_data
-from dflash_trainer.eval.dtype import dtype_label
-from dflash_trainer.models.precision import cpu_kind
+from dflash_trainer.models.precision import cpu_kind, dtype_label
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import Phases
 from dflash_trainer.observe.report import write_report

@@ -17,7 +17,7 @@ import torch
 from dflash_trainer.config import Config
 from dflash_trainer.config_io import load_config
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
+from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
 from dflash_trainer.eval.engines import EvalRun, compared_engines, comparison_engine
 from dflash_trainer.eval.evaluation import evaluate_datasets, load_eval_pair
 from dflash_trainer.eval.metrics import format_table, summarize
@@ -28,6 +28,7 @@ from dflash_trainer.eval.served import (
     read_export_config,
 )
 from dflash_trainer.models.export import read_training
+from dflash_trainer.models.precision import dtype_label
 from dflash_trainer.observe.sinks import build_sinks
 
 log = logging.getLogger(__name__)

@@ -13,10 +13,8 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.models.precision import DTYPES, dtype_label, module_dtype
+from dflash_trainer.models.precision import DTYPES, module_dtype
 from dflash_trainer.models.target import TargetModel
-
-__all__ = ["drafter_in", "dtype_label", "eval_dtype", "target_in"]  # dtype_label: precision's
 
 
 def eval_dtype(name: str, device: str | torch.device, model_dtype: torch.dtype) -> torch.dtype:

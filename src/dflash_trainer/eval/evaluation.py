@@ -15,13 +15,13 @@ from torch import nn
 
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval.dtype import drafter_in, dtype_label, target_in
+from dflash_trainer.eval.dtype import drafter_in, target_in
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.prompts import load_prompt_set, split_by_training, training_ids
 from dflash_trainer.eval.specdecode import Drafter, GenResult, spec_generate
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
-from dflash_trainer.models.precision import module_dtype
+from dflash_trainer.models.precision import dtype_label, module_dtype
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import showing_progress
 

@@ -27,12 +27,13 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, VALIDATION, split_roles, stratified_pick
-from dflash_trainer.eval.dtype import drafter_in, dtype_label, eval_dtype, target_in
+from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
 from dflash_trainer.eval.engines import EvalRun, ProjectLoop, comparison_engine
 from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import export_drafter, export_dtype, load_drafter
+from dflash_trainer.models.precision import dtype_label
 from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
