@@ -3,9 +3,11 @@
 Phases (preset smollm2-quality; the time plan is in the preset's header):
   1. target        load (the embedded SmolLM2 converted once to a safetensors cache)
   2. embedded      MT-Bench + HumanEval prompts answered greedily by the target (cached)
-  3. synthesis     synth.prompts user turns written by the target (data/synthesize.py; cached)
-  4. answers       the synthesised prompts answered by the target: greedy, or sampled at
-                   --temperature / --top-p (vLLM where installed; cached; provenance per record)
+  3. synthesis     synth.prompts user turns written by the target (the `synth` data source,
+                   data/synthesize.py; cached)
+  4. answers       the synthesised prompts answered by the target ([generate]'s length and
+                   engine: vLLM where installed): greedy, or sampled (synth.answer_temperature /
+                   answer_top_p); cached; provenance per record
   5. training      optim.time_budget_s, periodic evaluation on the validation prompts every
                    eval.every_steps (eval/tau and eval/tau_sim against wall minutes: the curve)
   6. evaluation    the export on the reported held-out prompts of each embedded source (never
@@ -18,7 +20,8 @@ Phases (preset smollm2-quality; the time plan is in the preset's header):
 Variants (the data sources of the issue's table; one machine, one table):
   embedded       the embedded prompts, greedy answers (the demo's data)
   synth-greedy   + synthesised prompts, greedy answers
-  synth-sampled  + synthesised prompts, answers sampled at T=0.8, top-p 0.95
+  synth-sampled  + synthesised prompts, answers sampled at T=0.8, top-p 0.95 (the peers'
+                 temperatures; --set synth.answer_temperature=... for another)
   raw-kd         + a conversation file the target did not write (--raw FILE), every label the
                  target's own distribution at that position (drafter.kd_weight=1: one prefill)
 
@@ -28,7 +31,6 @@ Run: python bench/quality_run.py [--variant synth-greedy] [--set KEY=VALUE ...] 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -38,10 +40,13 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.config_io import load_config, set_value
-from dflash_trainer.data.generate import ensure_embedded_responses, generate_with, print_summary
-from dflash_trainer.data.prepare import REPORT, prepare_data
-from dflash_trainer.data.synthesize import as_prompts, synth_provenance, synthesize_prompts
-from dflash_trainer.models.embedded import cache_root
+from dflash_trainer.data.generate import ensure_embedded_responses
+from dflash_trainer.data.prepare import prepare_data, report_only
+from dflash_trainer.data.synthesize import (
+    ensure_synth_responses,
+    synth_cache_paths,
+    synthesized_prompts,
+)
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.models.vllm_engine import find_vllm_python, vllm_unavailable
@@ -59,36 +64,15 @@ def say(msg: str) -> None:
     print(f"[quality] {msg}", flush=True)
 
 
-def _digest(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def synth_sources(cfg, target, args, phases: Phases) -> list[str]:
-    """Phases 3-4: synthesised prompts and their answers, cached by every setting that made
-    them; the answers file as a training source."""
-    engine = args.engine
-    temperature = 0.8 if args.variant == "synth-sampled" else 0.0
-    top_p = args.top_p if temperature > 0 else 1.0
-    made = {
-        **synth_provenance(cfg, engine, cfg.target.dtype),
-        "prompts": cfg.synth.prompts,
-        "hints": list(cfg.synth.hints),
-    }
-    answered = {**made, "answer_tokens": args.answer_tokens, "temperature": temperature}
-    answered.update(top_p=top_p, answer_seed=cfg.seed)
-    root = cache_root(cfg.target.cache_dir) / "synth"
-    # one prompts file for every answer setting: greedy and sampled answer the same prompts
-    prompts_file = root / f"{_digest(made)}.prompts.jsonl"
-    answers = root / f"{_digest(answered)}.answers.jsonl"
-    stats = synthesize_prompts(cfg, target, prompts_file, engine)
-    say(f"    {stats['kept']} prompts in {phases.end('synthesis'):.0f} s: {stats}")
-    g = cfg.generate  # the answers' settings: generate_with reads them from [generate]
-    g.engine, g.max_new_tokens, g.batch_size = engine, args.answer_tokens, 64
-    g.temperature, g.top_p = temperature, top_p
-    res = generate_with(cfg, target, as_prompts(prompts_file), answers)
-    print_summary(res)
-    say(f"    answered in {phases.end('answers'):.0f} s (T={temperature})")
-    return [str(answers)]
+def synth_phases(cfg, target, phases: Phases) -> None:
+    """Phases 3-4 of the `synth` data source (data/synthesize.ensure_synth_responses, cached by
+    every setting that made them), timed apart: the prompts, then their answers."""
+    prompts_file, _ = synth_cache_paths(cfg)
+    synthesized_prompts(cfg, target, prompts_file, cfg.generate.engine)
+    say(f"3/7 synthesis in {phases.end('synthesis'):.0f} s")
+    res = ensure_synth_responses(cfg, target)
+    s = cfg.synth
+    say(f"4/7 answers in {phases.end('answers'):.0f} s (T={s.answer_temperature}): {res}")
 
 
 def configure_final_eval(cfg, compare: str = "auto") -> None:
@@ -106,18 +90,6 @@ def configure_final_eval(cfg, compare: str = "auto") -> None:
     else:
         e.compare = [c for c in compare.split(",") if c]
     e.at_end_adaptive = [CODE]
-
-
-def reported_embedded(heldout):
-    """The held-out set with only the embedded sources' prompts reported: every variant is
-    measured on the same prompts (a synthesised prompt held out stays a validation one or
-    nothing)."""
-    keep = [
-        i
-        for i, (src, role) in enumerate(zip(heldout.sources, heldout.roles))
-        if role != REPORT or src in EVAL_SOURCES
-    ]
-    return heldout.subset(keep)
 
 
 def heldout_checks(rec: dict) -> dict:
@@ -173,6 +145,10 @@ def build_config(args):
         if not args.raw:
             raise SystemExit("raw-kd trains on a file the target did not write: pass --raw FILE")
         set_value(cfg, "drafter.kd_weight", "1")
+    if args.variant.startswith("synth"):
+        cfg.data.sources = [*cfg.data.sources, "synth"]
+    if args.variant == "synth-sampled":  # the peers' temperatures
+        cfg.synth.answer_temperature, cfg.synth.answer_top_p = 0.8, 0.95
     for kv in args.set:
         k, _, v = kv.partition("=")
         set_value(cfg, k, v)
@@ -192,16 +168,15 @@ def run(args) -> dict:
     say(f"1/7 target loaded in {phases.end('target'):.0f} s ({target.dtype})")
     ensure_embedded_responses(cfg, target=target)
     say(f"2/7 embedded answers in {phases.end('embedded'):.0f} s")
-    sources = list(cfg.data.sources)
     if args.variant.startswith("synth"):
-        sources += synth_sources(cfg, target, args, phases)
+        synth_phases(cfg, target, phases)
     if args.variant == "raw-kd":
-        sources.append(args.raw)
-    cfg.data.sources = sources
+        cfg.data.sources = [*cfg.data.sources, args.raw]
     train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
     phases.end("data")
     say(f"5/7 training on {len(train_set)} conversations ({int(train_set.lengths.sum())} tokens)")
-    result = train(cfg, target=target, train_set=train_set, heldout=reported_embedded(heldout))
+    heldout = report_only(heldout, EVAL_SOURCES)  # every variant reports on the same prompts
+    result = train(cfg, target=target, train_set=train_set, heldout=heldout)
     phases.end("training")
     # train() ran the end-of-run evaluation after training: its seconds are their own phase
     seconds = phases.carve("evaluation", result.eval.get("eval/seconds", 0.0), "training")
@@ -233,9 +208,6 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="synth-greedy", choices=VARIANTS)
     ap.add_argument("--preset", default="smollm2-quality")
     ap.add_argument("--run-dir", default="", help="default: the preset's run_dir")
-    ap.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"])
-    ap.add_argument("--answer-tokens", type=int, default=192, help="tokens per answer")
-    ap.add_argument("--top-p", type=float, default=0.95, help="synth-sampled answers' top-p")
     ap.add_argument("--raw", default="", help="raw-kd: conversations the target did not write")
     ap.add_argument(
         "--compare",

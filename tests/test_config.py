@@ -265,6 +265,8 @@ PINNED_KEYS = {
         "system_prompt",
         "exclude",
         "max_rounds",
+        "answer_temperature",
+        "answer_top_p",
     ],
     "generate": [
         "prompts",

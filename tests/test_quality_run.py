@@ -65,6 +65,8 @@ def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
         "synth.min_chars": "1",
         "synth.max_tokens": "48",
         "synth.exclude": "[]",
+        "generate.engine": "hf",
+        "generate.max_new_tokens": "8",
         "pipeline.feature_cache_gb": "0",
         "metrics.wandb": "off",
         "metrics.tensorboard": "false",
@@ -72,8 +74,7 @@ def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
     }
     out = tmp_path / "summary.json"
     # the reference loop beside ours; vLLM's served comparison has tests of its own
-    argv = ["--variant", variant, "--engine", "hf", "--answer-tokens", "8"]
-    argv += ["--compare", "reference"]
+    argv = ["--variant", variant, "--compare", "reference"]
     argv += ["--run-dir", str(tmp_path / "run"), "--json", str(out)]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]

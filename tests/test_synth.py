@@ -207,6 +207,7 @@ def test_cli_generate_synthesises_then_answers(tmp_path, capsys):
         "--target.dtype=float32",
         "--target.num_taps=1",
         f"--run_dir={run_dir}",
+        "--generate.prompts=synth",
         "--synth.prompts=3",
         "--synth.min_chars=1",
         "--synth.max_tokens=48",
@@ -221,3 +222,88 @@ def test_cli_generate_synthesises_then_answers(tmp_path, capsys):
         assert r["messages"][0] == next(p for p in prompts if p["id"] == r["id"])["messages"][0]
         assert r["provenance"]["engine"] == "hf"
     assert "synth: 3 prompts" in capsys.readouterr().out
+
+
+def source_cfg(tmp_path, prompts=4) -> Config:
+    """data.sources = ['synth'] on the tiny target: four prompts, answers of four tokens."""
+    cfg = lenient(tmp_path, prompts=prompts)
+    cfg.data.sources = ["synth"]
+    cfg.target.model, cfg.target.dtype = "tiny", "float32"
+    cfg.target.cache_dir = str(tmp_path / "cache")
+    cfg.generate.engine, cfg.generate.max_new_tokens = "hf", 4
+    return cfg
+
+
+def test_synth_data_source_is_cached_by_every_setting(target, tmp_path, monkeypatch):
+    from dflash_trainer.data.prepare import resolve_sources
+
+    cfg = source_cfg(tmp_path)
+    (greedy,) = resolve_sources(cfg, target)
+    prompts_file, answers = syn.synth_cache_paths(cfg)
+    assert greedy == str(answers) and answers.parent == prompts_file.parent
+    recs, prompts = read(answers), read(prompts_file)
+    assert sorted(r["id"] for r in recs) == sorted(p["id"] for p in prompts) and len(recs) == 4
+    assert all(r["provenance"]["temperature"] == 0.0 for r in recs)
+    # cached: nothing is loaded, sampled or generated the second time
+    monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("target loaded"))
+    monkeypatch.setattr(syn, "sample_turns", lambda *a, **k: pytest.fail("resampled"))
+    assert resolve_sources(cfg, None) == [greedy]
+    # sampled answers: another answers file for the same prompts (the prompts file is reused)
+    cfg.synth.answer_temperature, cfg.synth.answer_top_p = 0.8, 0.9
+    (sampled,) = resolve_sources(cfg, target)
+    assert sampled != greedy and syn.synth_cache_paths(cfg)[0] == prompts_file
+    recs = read(answers.parent / sampled.rsplit("/", 1)[-1])
+    assert {(r["provenance"]["temperature"], r["provenance"]["top_p"]) for r in recs} == {
+        (0.8, 0.9)
+    }
+    assert read(prompts_file) == prompts
+    # another synthesis setting names another prompts file
+    cfg.synth.seed = 1
+    assert syn.synth_cache_paths(cfg)[0] != prompts_file
+
+
+def test_synth_data_source_without_prompts_is_a_clear_error(target, tmp_path):
+    from dflash_trainer.data.prepare import resolve_sources
+
+    cfg = source_cfg(tmp_path, prompts=0)
+    with pytest.raises(UserError, match="synth.prompts is 0"):
+        resolve_sources(cfg, target)
+
+
+def test_synth_conversations_are_their_own_stratum_and_left_out_of_the_report():
+    from dflash_trainer.data.chat import TokenizedDataset
+    from dflash_trainer.data.prepare import REPORT, VALIDATION, report_only, source_label
+
+    written = {"/c/e.jsonl": "embedded", "/c/s.answers.jsonl": "synth"}
+    assert source_label("mtbench-81", "/c/e.jsonl", written) == "mt-bench"
+    assert source_label("humaneval-3", "/c/e.jsonl", written) == "humaneval"
+    assert source_label("synth-000017", "/c/s.answers.jsonl", written) == "synth"
+    assert source_label("a-1", "/data/mine.jsonl", written) == "mine.jsonl"
+    ds = TokenizedDataset([[1, 2]] * 5, [[0, 1]] * 5, ["m1", "s1", "s2", "h1", "x1"])
+    ds.sources = ["mt-bench", "synth", "synth", "humaneval", "mine.jsonl"]
+    ds.roles = [REPORT, REPORT, VALIDATION, REPORT, REPORT]
+    kept = report_only(ds, ("mt-bench", "humaneval"))
+    assert kept.ids == ["m1", "s2", "h1"] and kept.roles == [REPORT, VALIDATION, REPORT]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_demo_adds_synthesis_only_where_vllm_serves_the_target(monkeypatch, engine):
+    """The demo's data: the `synth` source joins the embedded one where vLLM would write it;
+    with the project's loop (most of the demo's 15 minutes) it is left out and the line says
+    so; never twice, never with synth.prompts = 0."""
+    from dflash_trainer.commands import demo
+    from dflash_trainer.config_io import load_config
+
+    asked = []
+    monkeypatch.setattr(demo, "choose_engine", lambda cfg, c, b: asked.append(b) or (engine, None))
+    cfg = load_config("smollm2-cpu", None, [])
+    n = cfg.synth.prompts
+    line = demo.add_synthesis(cfg)
+    if engine == "vllm":
+        assert cfg.data.sources == ["embedded", "synth"] and f"+ {n} prompts" in line
+        assert demo.add_synthesis(cfg) == "" and cfg.data.sources == ["embedded", "synth"]
+    else:
+        assert cfg.data.sources == ["embedded"] and "no synthesised prompts" in line
+    assert asked[0] == n * cfg.synth.max_tokens
+    cfg = load_config("smollm2-cpu", None, ["--synth.prompts=0"])
+    assert demo.add_synthesis(cfg) == "" and cfg.data.sources == ["embedded"]

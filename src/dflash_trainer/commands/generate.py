@@ -11,7 +11,8 @@ import torch
 from dflash_trainer.config import Config
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import generate_with, load_prompts, print_summary
-from dflash_trainer.data.synthesize import synthesized_prompts
+from dflash_trainer.data.synthesize import SOURCE as SYNTH
+from dflash_trainer.data.synthesize import prompts_path, synthesized_prompts
 from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -20,14 +21,15 @@ log = logging.getLogger(__name__)
 def run(cfg: Config, args) -> int:
     g = cfg.generate
     Rendering.from_config(cfg)  # a bad data.chat_template stops before the load
-    # synth.prompts > 0: the target writes the prompts (data/synthesize.py), after its load
-    prompts = [] if cfg.synth.prompts else load_prompts(g.prompts, cfg)
+    # synth: the target writes the prompts (data/synthesize.py), after its load
+    synth = g.prompts == SYNTH
+    prompts = [] if synth else load_prompts(g.prompts, cfg)
     out = Path(g.out) if g.out else Path(cfg.run_dir) / "generated.jsonl"
     if cfg.pipeline.cpu_threads > 0:
         torch.set_num_threads(cfg.pipeline.cpu_threads)
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
-    if cfg.synth.prompts:
-        prompts = synthesized_prompts(cfg, target, out, g.engine)
+    if synth:
+        prompts = synthesized_prompts(cfg, target, prompts_path(out), g.engine)
     if g.limit > 0:
         prompts = prompts[: g.limit]
     print_summary(generate_with(cfg, target, prompts, out))

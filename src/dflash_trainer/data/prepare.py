@@ -31,6 +31,7 @@ import numpy as np
 from dflash_trainer.data.chat import Rendering, build_dataset, prompt_messages, render_text
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
+from dflash_trainer.data.synthesize import ensure_synth_responses
 from dflash_trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -39,28 +40,34 @@ EMBEDDED_SOURCES = {"mtbench-": "mt-bench", "humaneval-": "humaneval"}
 VALIDATION, REPORT = "validation", "report"
 
 
+# the data sources the target writes itself, each cached by its settings (`capture`: the taps it
+# computes while writing them, data/generate.generate_with)
+TARGET_WRITTEN = {"embedded": ensure_embedded_responses, "synth": ensure_synth_responses}
+
+
 def resolve_sources(cfg, target=None, capture=None) -> list[str]:
-    """Replace `embedded[@W]` by the cached JSONL of target-regenerated responses (`capture`:
-    ensure_embedded_responses)."""
+    """Replace `embedded[@W]` and `synth[@W]` by the cached JSONL of the target's answers."""
     out = []
     for spec in cfg.data.sources:
         path, weight = parse_source_spec(spec)
-        if path == "embedded":
-            resolved = ensure_embedded_responses(cfg, target=target, capture=capture)
+        if path in TARGET_WRITTEN:
+            resolved = TARGET_WRITTEN[path](cfg, target=target, capture=capture)
             out.append(f"{resolved}@{weight}" if weight != 1.0 else str(resolved))
         else:
             out.append(spec)
     return out
 
 
-def source_label(conv_id: str, source: str, embedded_files: set[str]) -> str:
-    """The stratum of one conversation: mt-bench / humaneval for the embedded data, else the
-    source file's name."""
-    if source in embedded_files:
+def source_label(conv_id: str, source: str, written: dict[str, str]) -> str:
+    """The stratum of one conversation: mt-bench / humaneval for the embedded data, `synth` for
+    the synthesised prompts (`written`: the target-written files -> their source name), else
+    the source file's name."""
+    kind = written.get(source)
+    if kind == "embedded":
         for prefix, name in EMBEDDED_SOURCES.items():
             if conv_id.startswith(prefix):
                 return name
-    return Path(source).name
+    return kind if kind == "synth" else Path(source).name
 
 
 def prompt_hash(messages: list[dict]) -> str:
@@ -134,8 +141,10 @@ def split_roles(ids: list[str], sources: list[str], eval_cfg, seed: int) -> list
 def prepare_data(cfg, tokenizer, target=None, capture=None):
     rendering = Rendering.from_config(cfg)  # a bad data.chat_template stops before generation
     sources = resolve_sources(cfg, target, capture)
-    embedded_files = {
-        parse_source_spec(s)[0] for s, spec in zip(sources, cfg.data.sources) if spec != s
+    written = {
+        parse_source_spec(s)[0]: parse_source_spec(spec)[0]
+        for s, spec in zip(sources, cfg.data.sources)
+        if spec != s
     }
     convs, report = load_sources(
         sources,
@@ -149,7 +158,7 @@ def prepare_data(cfg, tokenizer, target=None, capture=None):
         cfg.data, tokenizer, convs, rendering=rendering, progress=cfg.metrics.console
     )
     log.info("tokenized: %s", dataset.stats)
-    label = {c.id: source_label(c.id, c.source, embedded_files) for c in convs}
+    label = {c.id: source_label(c.id, c.source, written) for c in convs}
     train, heldout = split_dataset(dataset, label, cfg.data.eval_fraction, cfg.seed, cfg.eval)
     run_dir = Path(cfg.run_dir)
     write_split_files(run_dir, convs, train, heldout, cfg.data.format)
@@ -187,6 +196,19 @@ def split_dataset(dataset, label: dict[str, str], fraction: float, seed: int, ev
     heldout.roles = split_roles(heldout.ids, heldout.sources, eval_cfg, seed)
     train.sources = [label.get(g, "data") for g in train.ids]
     return train, heldout
+
+
+def report_only(heldout, sources):
+    """The held-out set with the reported prompts of `sources` only (e.g. the embedded MT-Bench
+    and HumanEval, where quality goals are stated): the other sources' reported prompts are
+    dropped (never trained on, never reported), every validation prompt is kept. So a run that
+    adds a source (synthesised prompts) reports on the same prompts as one without it."""
+    keep = [
+        i
+        for i, (src, role) in enumerate(zip(heldout.sources, heldout.roles))
+        if role != REPORT or src in sources
+    ]
+    return heldout.subset(keep)
 
 
 def prompt_record(cid: str, messages: list[dict], source: str, data_format: str) -> dict | None:

@@ -25,22 +25,34 @@ prompt file; a file made with the same settings is reused (`synthesize_prompts`)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import re
+import sys
 import time
 import unicodedata
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from dflash_trainer.data.chat import Rendering
-from dflash_trainer.data.generate import choose_engine, decode_batch, load_prompts
+from dflash_trainer.data.generate import (
+    choose_engine,
+    decode_batch,
+    generate_with,
+    load_prompts,
+    print_summary,
+    read_done_ids,
+)
 from dflash_trainer.data.sources import Conversation
 from dflash_trainer.decode.sampler import Sampler, hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import write_atomic
-from dflash_trainer.models.precision import dtype_label
+from dflash_trainer.models.embedded import cache_root
+from dflash_trainer.models.precision import dtype_label, dtype_name
+from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -366,16 +378,73 @@ def as_prompts(path) -> list[Conversation]:
     return out
 
 
+def synth_cache_paths(cfg) -> tuple[Path, Path]:
+    """(prompts, answers) of the `synth` data source in the cache, each named by every setting
+    that makes it: greedy and sampled answers (synth.answer_*) share one prompts file."""
+    s, g = cfg.synth, cfg.generate
+    dtype = dtype_name(cfg.target.dtype, cfg.pipeline.target_devices[0])
+    made = {**synth_provenance(cfg, g.engine, dtype), "prompts": s.prompts, "hints": list(s.hints)}
+    sampled = s.answer_temperature > 0
+    answered = {
+        **made,
+        "answer_tokens": g.max_new_tokens,
+        "batch_size": g.batch_size,
+        "temperature": s.answer_temperature,
+        "top_p": s.answer_top_p if sampled else 1.0,
+        "answer_seed": cfg.seed,
+    }
+    root = cache_root(cfg.target.cache_dir) / "synth"
+    return root / f"{_digest(made)}.prompts.jsonl", root / f"{_digest(answered)}.answers.jsonl"
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ensure_synth_responses(cfg, target=None, capture=None) -> Path:
+    """The `synth` data source: synth.prompts prompts the target writes (synthesize_prompts),
+    answered by the target with [generate]'s length, batch and engine and synth.answer_*'s
+    sampling; both cached and resumed by settings (synth_cache_paths). Returns the answers'
+    JSONL. The target is loaded only when something is missing; `capture`: generate_with."""
+    if cfg.synth.prompts < 1:
+        raise UserError(
+            "data.sources has 'synth' but synth.prompts is 0: set --synth.prompts=N (how many "
+            "prompts the target writes), or drop 'synth' from data.sources."
+        )
+    prompts_file, answers = synth_cache_paths(cfg)
+    if prompts_file.is_file() and {r.id for r in as_prompts(prompts_file)} <= read_done_ids(
+        answers
+    ):
+        return answers
+    if target is None:
+        target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
+    synthesized_prompts(cfg, target, prompts_file, cfg.generate.engine)
+    s = cfg.synth
+    sampled = s.answer_temperature > 0
+    g = replace(cfg.generate, temperature=s.answer_temperature)
+    g.top_p = s.answer_top_p if sampled else 1.0
+    how = f"T={g.temperature:g}, top-p {g.top_p:g}" if sampled else "greedy"
+    print(
+        f"dflash-trainer: answering the synthesised prompts with {cfg.target.model} ({how}) into "
+        f"{answers} (one time; resumable)",
+        file=sys.stderr,
+        flush=True,
+    )
+    prompts = as_prompts(prompts_file)
+    stats = generate_with(replace(cfg, generate=g), target, prompts, answers, capture)
+    print_summary(stats)
+    return answers
+
+
 def prompts_path(answers: str | Path) -> Path:
     """Where `generate` keeps the synthesised prompts of an answers file: beside it."""
     p = Path(answers)
     return p.with_name(p.stem + ".prompts.jsonl")
 
 
-def synthesized_prompts(cfg, target, answers: str | Path, engine_choice: str = "auto") -> list:
-    """`generate`'s prompt-synthesis mode (synth.prompts > 0): the prompts synthesised (or
-    reused) beside `answers`, as Conversations to answer."""
-    path = prompts_path(answers)
+def synthesized_prompts(cfg, target, path: str | Path, engine_choice: str = "auto") -> list:
+    """synth.prompts prompts synthesised into (or reused from) `path`, said on stdout, as
+    Conversations to answer (`generate`'s prompt-synthesis mode and the `synth` data source)."""
     stats = synthesize_prompts(cfg, target, path, engine_choice)
     print(
         f"synth: {stats['kept']} prompts -> {path}"
