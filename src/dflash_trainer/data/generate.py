@@ -403,8 +403,12 @@ def embedded_responses_path(cfg) -> Path:
         **gen_settings(cfg),
         **Rendering.from_config(cfg).identity(),
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root(cfg.target.cache_dir) / "responses" / f"{digest}.jsonl"
+    return cache_root(cfg.target.cache_dir) / "responses" / f"{settings_digest(key)}.jsonl"
+
+
+def settings_digest(key: dict) -> str:
+    """A cache file's name: the digest of every setting that made its contents."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def ensure_embedded_responses(cfg, target=None, capture=None) -> Path:

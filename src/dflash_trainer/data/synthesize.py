@@ -25,7 +25,6 @@ prompt file; a file made with the same settings is reused (`synthesize_prompts`)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -45,6 +44,7 @@ from dflash_trainer.data.generate import (
     load_prompts,
     print_summary,
     read_done_ids,
+    settings_digest,
 )
 from dflash_trainer.data.sources import Conversation
 from dflash_trainer.decode.sampler import Sampler, hash32_int
@@ -384,21 +384,19 @@ def synth_cache_paths(cfg) -> tuple[Path, Path]:
     s, g = cfg.synth, cfg.generate
     dtype = dtype_name(cfg.target.dtype, cfg.pipeline.target_devices[0])
     made = {**synth_provenance(cfg, g.engine, dtype), "prompts": s.prompts, "hints": list(s.hints)}
-    sampled = s.answer_temperature > 0
-    answered = {
-        **made,
-        "answer_tokens": g.max_new_tokens,
-        "batch_size": g.batch_size,
-        "temperature": s.answer_temperature,
-        "top_p": s.answer_top_p if sampled else 1.0,
-        "answer_seed": cfg.seed,
-    }
+    temperature, top_p = answer_sampling(s)
+    answered = {**made, "answer_tokens": g.max_new_tokens, "batch_size": g.batch_size}
+    answered.update(temperature=temperature, top_p=top_p, answer_seed=cfg.seed)
     root = cache_root(cfg.target.cache_dir) / "synth"
-    return root / f"{_digest(made)}.prompts.jsonl", root / f"{_digest(answered)}.answers.jsonl"
+    return (
+        root / f"{settings_digest(made)}.prompts.jsonl",
+        root / f"{settings_digest(answered)}.answers.jsonl",
+    )
 
 
-def _digest(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+def answer_sampling(s) -> tuple[float, float]:
+    """(temperature, top_p) of the answers to the synthesised prompts (top_p 1 when greedy)."""
+    return s.answer_temperature, (s.answer_top_p if s.answer_temperature > 0 else 1.0)
 
 
 def ensure_synth_responses(cfg, target=None, capture=None) -> Path:
@@ -419,11 +417,9 @@ def ensure_synth_responses(cfg, target=None, capture=None) -> Path:
     if target is None:
         target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     synthesized_prompts(cfg, target, prompts_file, cfg.generate.engine)
-    s = cfg.synth
-    sampled = s.answer_temperature > 0
-    g = replace(cfg.generate, temperature=s.answer_temperature)
-    g.top_p = s.answer_top_p if sampled else 1.0
-    how = f"T={g.temperature:g}, top-p {g.top_p:g}" if sampled else "greedy"
+    temperature, top_p = answer_sampling(cfg.synth)
+    g = replace(cfg.generate, temperature=temperature, top_p=top_p)
+    how = f"T={temperature:g}, top-p {top_p:g}" if temperature > 0 else "greedy"
     print(
         f"dflash-trainer: answering the synthesised prompts with {cfg.target.model} ({how}) into "
         f"{answers} (one time; resumable)",
