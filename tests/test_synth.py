@@ -284,26 +284,3 @@ def test_synth_conversations_are_their_own_stratum_and_left_out_of_the_report():
     ds.roles = [REPORT, REPORT, VALIDATION, REPORT, REPORT]
     kept = report_only(ds, ("mt-bench", "humaneval"))
     assert kept.ids == ["m1", "s2", "h1"] and kept.roles == [REPORT, VALIDATION, REPORT]
-
-
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_demo_adds_synthesis_only_where_vllm_serves_the_target(monkeypatch, engine):
-    """The demo's data: the `synth` source joins the embedded one where vLLM would write it;
-    with the project's loop (most of the demo's 15 minutes) it is left out and the line says
-    so; never twice, never with synth.prompts = 0."""
-    from dflash_trainer.commands import demo
-    from dflash_trainer.config_io import load_config
-
-    asked = []
-    monkeypatch.setattr(demo, "choose_engine", lambda cfg, c, b: asked.append(b) or (engine, None))
-    cfg = load_config("smollm2-cpu", None, [])
-    n = cfg.synth.prompts
-    line = demo.add_synthesis(cfg)
-    if engine == "vllm":
-        assert cfg.data.sources == ["embedded", "synth"] and f"+ {n} prompts" in line
-        assert demo.add_synthesis(cfg) == "" and cfg.data.sources == ["embedded", "synth"]
-    else:
-        assert cfg.data.sources == ["embedded"] and "no synthesised prompts" in line
-    assert asked[0] == n * cfg.synth.max_tokens
-    cfg = load_config("smollm2-cpu", None, ["--synth.prompts=0"])
-    assert demo.add_synthesis(cfg) == "" and cfg.data.sources == ["embedded"]

@@ -706,8 +706,7 @@ class SynthConfig:
         0,
         "user prompts the target writes itself (its chat template up to a user turn, sampled "
         "until the turn ends; filtered, deduplicated, never near a prompt of synth.exclude) for "
-        "the data source 'synth' and `generate --generate.prompts=synth`; `demo` adds them "
-        "where vLLM serves the target; 0 = none",
+        "the data source 'synth' and `generate --generate.prompts=synth`; 0 = none",
         unit="prompts",
         min=0,
     )

@@ -2,10 +2,8 @@
 
 0. the run directory: an earlier run there is moved aside (never deleted, never mixed);
 1. target: SmolLM2-135M-Instruct from its wheel, converted once to a safetensors cache;
-2. data: MT-Bench + HumanEval prompts answered by the target itself (cached, resumable), and
-   where vLLM serves the target, synth.prompts prompts the target writes itself and answers
-   (`add_synthesis`); a held-out set stratified by source, split into validation (picks best/)
-   and report prompts (MT-Bench and HumanEval: the synthesised ones are never reported);
+2. data: MT-Bench + HumanEval prompts answered by the target itself (cached, resumable); a
+   held-out set stratified by source, split into validation (picks best/) and report prompts;
 3. training for the preset's wall-time budget;
 4. the export decoded on the held-out MT-Bench prompts (eval.max_new_tokens each), where the
    quality goal is stated: tau, plain greedy decoding (speedup, losslessness) and the published
@@ -28,10 +26,7 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import Config
-from dflash_trainer.data.generate import choose_engine
-from dflash_trainer.data.prepare import REPORT, prepare_data, report_only
-from dflash_trainer.data.sources import parse_source_spec
-from dflash_trainer.data.synthesize import SOURCE as SYNTH
+from dflash_trainer.data.prepare import REPORT, prepare_data
 from dflash_trainer.models.precision import cpu_kind, dtype_label
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import Phases
@@ -71,14 +66,10 @@ def _demo(cfg: Config, t_all: float) -> int:
         f"    loaded in {phases.end('target'):.1f} s as {dtype_label(target.dtype)}; "
         f"taps {target.layer_ids}"
     )
-    synth = add_synthesis(cfg)
-    _say(f"2/5 training data: embedded prompts{synth} answered by the target (cached)")
+    _say("2/5 training data: embedded prompts answered by the target (cached)")
     # the taps the target computes while it writes the answers: the first epoch's features
     captured = capture_for(cfg, target)
     train_set, heldout = prepare_data(cfg, target.tokenizer, target=target, capture=captured)
-    # the synthesised prompts held out are validation prompts or nothing: the demo reports on
-    # the same MT-Bench and HumanEval prompts with or without them
-    heldout = report_only(heldout, {s for s in heldout.sources if s != SYNTH})
     _say(f"    ready in {phases.end('data'):.0f} s")
     report = [e for e in heldout_examples(heldout, cfg) if e.role == REPORT]
     _say(
@@ -116,25 +107,6 @@ def _demo(cfg: Config, t_all: float) -> int:
     _say("5/5 report")
     _summarize(run_dir, result, checks, t_all, phases)
     return 0
-
-
-def add_synthesis(cfg: Config) -> str:
-    """The demo's best data within its 15 minutes (issue 32, bench/RESULTS.md): where vLLM
-    serves the target (`make vllm`; `make test` installs it) and synth.prompts > 0, prompts the
-    target writes itself (the `synth` data source) join the embedded ones. Elsewhere the
-    embedded prompts alone: the project's loop would spend most of the demo writing them.
-    Returns what it adds, as the data line says it."""
-    n = cfg.synth.prompts
-    if n < 1 or SYNTH in [parse_source_spec(x)[0] for x in cfg.data.sources]:
-        return ""
-    engine, _ = choose_engine(cfg, cfg.generate.engine, n * cfg.synth.max_tokens)
-    if engine != "vllm":
-        return (
-            f" (no synthesised prompts: vLLM does not serve this target here; `make vllm` "
-            f"adds {n} the target writes itself)"
-        )
-    cfg.data.sources = [*cfg.data.sources, SYNTH]
-    return f" + {n} prompts the target writes itself (vLLM)"
 
 
 def configure_final_eval(cfg: Config, report: list[HeldoutPrompt]) -> None:
