@@ -165,7 +165,8 @@ def require_sources(cfg: Config) -> None:
             "--generate.prompts=PROMPTS.jsonl --generate.out=ANSWERS.jsonl, same --preset), "
             "then pass "
             "--data.sources=ANSWERS.jsonl (a list: a.jsonl,b.jsonl@2; JSONL/JSON/Parquet or a "
-            "saved HF dataset dir; 'embedded' = the built-in MT-Bench + HumanEval prompts)."
+            "saved HF dataset dir; 'embedded' = the built-in MT-Bench + HumanEval prompts; "
+            "'synth' = --synth.prompts=N prompts the target writes itself, answered by it)."
         )
 
 
