@@ -284,3 +284,13 @@ def test_synth_conversations_are_their_own_stratum_and_left_out_of_the_report():
     ds.roles = [REPORT, REPORT, VALIDATION, REPORT, REPORT]
     kept = report_only(ds, ("mt-bench", "humaneval"))
     assert kept.ids == ["m1", "s2", "h1"] and kept.roles == [REPORT, VALIDATION, REPORT]
+
+
+def test_generate_says_when_synth_prompts_are_not_asked_for(tmp_path, caplog):
+    """`--synth.prompts=N` alone used to switch `generate` to synthesis; now it takes
+    --generate.prompts=synth, and the old spelling is told so instead of passing in silence."""
+    missing = tmp_path / "none.jsonl"
+    argv = ["generate", "--synth.prompts=3", f"--generate.prompts={missing}"]
+    with caplog.at_level("WARNING"):
+        assert cli.main(argv + [f"--run_dir={tmp_path / 'run'}"]) != 0  # the file is missing
+    assert "--generate.prompts=synth" in caplog.text and "synth.prompts=3" in caplog.text

@@ -23,6 +23,13 @@ def run(cfg: Config, args) -> int:
     Rendering.from_config(cfg)  # a bad data.chat_template stops before the load
     # synth: the target writes the prompts (data/synthesize.py), after its load
     synth = g.prompts == SYNTH
+    if cfg.synth.prompts and not synth:  # how synthesis was asked for before it had a name
+        log.warning(
+            "generate: synth.prompts=%d is not used here (the prompts are %s); "
+            "--generate.prompts=synth answers prompts the target writes itself",
+            cfg.synth.prompts,
+            g.prompts,
+        )
     prompts = [] if synth else load_prompts(g.prompts, cfg)
     out = Path(g.out) if g.out else Path(cfg.run_dir) / "generated.jsonl"
     if cfg.pipeline.cpu_threads > 0:
