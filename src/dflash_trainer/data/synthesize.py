@@ -416,7 +416,7 @@ def ensure_synth_responses(cfg, target=None, capture=None) -> Path:
         return answers
     if target is None:
         target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
-    synthesized_prompts(cfg, target, prompts_file, cfg.generate.engine)
+    prompts = synthesized_prompts(cfg, target, prompts_file, cfg.generate.engine)
     temperature, top_p = answer_sampling(cfg.synth)
     g = replace(cfg.generate, temperature=temperature, top_p=top_p)
     how = f"T={temperature:g}, top-p {top_p:g}" if temperature > 0 else "greedy"
@@ -426,7 +426,6 @@ def ensure_synth_responses(cfg, target=None, capture=None) -> Path:
         file=sys.stderr,
         flush=True,
     )
-    prompts = as_prompts(prompts_file)
     stats = generate_with(replace(cfg, generate=g), target, prompts, answers, capture)
     print_summary(stats)
     return answers
