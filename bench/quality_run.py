@@ -41,7 +41,7 @@ import torch
 
 from dflash_trainer.config_io import load_config, set_value
 from dflash_trainer.data.generate import ensure_embedded_responses
-from dflash_trainer.data.prepare import prepare_data, report_only
+from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.data.synthesize import (
     ensure_synth_responses,
     synth_cache_paths,
@@ -175,7 +175,6 @@ def run(args) -> dict:
     train_set, heldout = prepare_data(cfg, target.tokenizer, target=target)
     phases.end("data")
     say(f"5/7 training on {len(train_set)} conversations ({int(train_set.lengths.sum())} tokens)")
-    heldout = report_only(heldout, EVAL_SOURCES)  # every variant reports on the same prompts
     result = train(cfg, target=target, train_set=train_set, heldout=heldout)
     phases.end("training")
     # train() ran the end-of-run evaluation after training: its seconds are their own phase

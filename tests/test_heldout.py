@@ -62,6 +62,30 @@ def test_split_is_stratified_seeded_and_not_in_length_order():
     assert split_dataset(ds, label, 0.1, 0, ev)[1].roles.count(VALIDATION) == 4
 
 
+def test_report_sources_train_on_the_other_strata_reported_share():
+    """data.report_sources: a stratum added for training (synthesised prompts) keeps only its
+    validation prompts held out; its reported share is trained on. The kept strata and every
+    validation prompt are exactly the split without it."""
+    ds, label = _embedded_shaped()
+    ids = [*ds.ids, *(f"synth-{i}" for i in range(200))]
+    seqs = [*ds.input_ids, *(np.arange(12 + i % 50, dtype=np.int32) + 3 for i in range(200))]
+    masks = [np.r_[np.zeros(5, np.uint8), np.ones(len(s) - 5, np.uint8)] for s in seqs]
+    ds = TokenizedDataset(seqs, masks, ids)
+    label |= {i: "synth" for i in ids if i.startswith("synth-")}
+    ev = load_config().eval
+    train_all, held_all = split_dataset(ds, label, 0.1, 0, ev)
+    train_set, held = split_dataset(ds, label, 0.1, 0, ev, ("mt-bench", "humaneval"))
+    roles_all = dict(zip(held_all.ids, zip(held_all.sources, held_all.roles)))
+    roles = dict(zip(held.ids, zip(held.sources, held.roles)))
+    back = {g for g, (s, r) in roles_all.items() if s == "synth" and r == REPORT}
+    assert len(back) == 15  # 20 synth held out, 5 of them validation
+    assert roles == {g: v for g, v in roles_all.items() if g not in back}
+    assert set(train_set.ids) == set(train_all.ids) | back
+    assert not set(train_set.ids) & set(held.ids) and len(train_set) + len(held) == len(ds)
+    with pytest.raises(UserError, match="report_sources names mtbench"):
+        split_dataset(ds, label, 0.1, 0, ev, ("mtbench",))
+
+
 def test_periodic_subset_is_fixed_and_stratified():
     ds, label = _embedded_shaped()
     cfg = load_config(None, None, ["--data.eval_fraction=0.5", "--eval.validation_fraction=0.5"])

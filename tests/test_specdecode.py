@@ -174,6 +174,24 @@ def test_top_p_support_and_greedy():
     assert int(choose_tokens(logits, [0], 0.0, 1.0, seed=1)) == 0
 
 
+def test_top_k_samples_the_renormalised_k_most_likely():
+    """top_k against a dense reference: only the k most likely tokens, at their softmax shares
+    among themselves; top_k then top_p (vLLM's and transformers' order)."""
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0, 1.5]])
+    n = 4000
+    toks = Sampler(1.0, 1.0, 3).choose(logits.expand(n, 5), torch.arange(n), 3)
+    freq = torch.bincount(toks, minlength=5).float() / n
+    want = torch.zeros(5)
+    want[[1, 2, 4]] = torch.softmax(logits[0, [1, 2, 4]], -1)
+    torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
+    # k = 3 leaves {1: 0.51, 4: 0.31, 2: 0.19}; top_p 0.6 then keeps the first two
+    both = Sampler(1.0, 0.6, 3).choose(logits.expand(n, 5), torch.arange(n), 3)
+    assert set(both.tolist()) == {1, 4}
+    assert torch.equal(smp.top_k_logits(logits, 0), logits)  # 0 = off
+    with pytest.raises(ValueError, match="top_k >= 0"):
+        Sampler(1.0, 1.0, -1)
+
+
 def test_hash_never_overflows_int64():
     x = torch.tensor([0, 1, 2**32 - 1, 2**31, 12345], dtype=torch.int64)
     y = smp.hash32(x)

@@ -30,6 +30,7 @@ def lenient(tmp_path, prompts=6, **synth) -> Config:
     cfg.run_dir = str(tmp_path / "run")
     s = cfg.synth
     s.prompts, s.exclude, s.min_chars, s.max_tokens, s.hints = prompts, [], 1, 48, ["", "hi "]
+    s.top_p, s.top_k = 0.95, 0  # nucleus sampling: the tests' seeds keep 6 of its random text
     for k, v in synth.items():
         setattr(s, k, v)
     return cfg
@@ -101,10 +102,11 @@ def test_deterministic_under_a_seed_with_provenance_and_reuse(target, tmp_path):
     assert {r["provenance"]["hint"] for r in recs} == {"", "hi "}  # hints interleaved
     prov = recs[0]["provenance"]
     assert prov["synthesised"] is True
-    assert {k: prov[k] for k in ("seed", "temperature", "top_p", "engine", "dtype")} == {
+    assert {k: prov[k] for k in ("seed", "temperature", "top_p", "top_k", "engine", "dtype")} == {
         "seed": 0,
         "temperature": 1.0,
         "top_p": 0.95,
+        "top_k": 0,
         "engine": "hf",
         "dtype": "float32",
     }
@@ -113,6 +115,31 @@ def test_deterministic_under_a_seed_with_provenance_and_reuse(target, tmp_path):
     cfg.synth.seed = 0
     again = syn.synthesize_prompts(cfg, target, a, "hf")
     assert again["reused"] and read(a) == recs
+
+
+def test_top_k_reaches_both_engines(target, tmp_path, monkeypatch):
+    """synth.top_k reaches the project's sampler and vLLM's request (decode.sampler tests what
+    top_k does to the draw)."""
+    cfg = lenient(tmp_path, prompts=2, top_k=7)
+    seen = []
+    ids = target.tokenizer("Explain how rainbows form.", add_special_tokens=False)["input_ids"]
+
+    def fake_decode(_t, rows, _n, sampler, seeds, *_a):
+        seen.append(sampler)
+        return [(list(ids), True) for _ in rows]
+
+    monkeypatch.setattr(syn, "decode_batch", fake_decode)
+    syn.synthesize_prompts(cfg, target, tmp_path / "k.jsonl", "hf")
+    assert seen and {(x.temperature, x.top_p, x.top_k) for x in seen} == {(1.0, 0.95, 7)}
+    assert {r["provenance"]["top_k"] for r in read(tmp_path / "k.jsonl")} == {7}
+
+    class FakeVllm:
+        def run(self, rows, max_tokens, **kw):
+            seen.append(kw)
+            return {"results": [{"samples": [[*ids, 2]]} for _ in rows]}
+
+    out = syn._sample_vllm(FakeVllm(), [[1, 2]], 1, cfg.synth, [2], seed=0)
+    assert seen[-1]["top_k"] == 7 and seen[-1]["top_p"] == 0.95 and out == [[(list(ids), True)]]
 
 
 def _fake_sampler(target, texts):
@@ -270,20 +297,14 @@ def test_synth_data_source_without_prompts_is_a_clear_error(target, tmp_path):
         resolve_sources(cfg, target)
 
 
-def test_synth_conversations_are_their_own_stratum_and_left_out_of_the_report():
-    from dflash_trainer.data.chat import TokenizedDataset
-    from dflash_trainer.data.prepare import REPORT, VALIDATION, report_only, source_label
+def test_synth_conversations_are_their_own_stratum():
+    from dflash_trainer.data.prepare import source_label
 
     written = {"/c/e.jsonl": "embedded", "/c/s.answers.jsonl": "synth"}
     assert source_label("mtbench-81", "/c/e.jsonl", written) == "mt-bench"
     assert source_label("humaneval-3", "/c/e.jsonl", written) == "humaneval"
     assert source_label("synth-000017", "/c/s.answers.jsonl", written) == "synth"
     assert source_label("a-1", "/data/mine.jsonl", written) == "mine.jsonl"
-    ds = TokenizedDataset([[1, 2]] * 5, [[0, 1]] * 5, ["m1", "s1", "s2", "h1", "x1"])
-    ds.sources = ["mt-bench", "synth", "synth", "humaneval", "mine.jsonl"]
-    ds.roles = [REPORT, REPORT, VALIDATION, REPORT, REPORT]
-    kept = report_only(ds, ("mt-bench", "humaneval"))
-    assert kept.ids == ["m1", "s2", "h1"] and kept.roles == [REPORT, VALIDATION, REPORT]
 
 
 def test_generate_says_when_synth_prompts_are_not_asked_for(tmp_path, caplog):

@@ -75,6 +75,12 @@ class DataConfig:
         min=0.0,
         max=0.9,
     )
+    report_sources: list[str] = _f(
+        [],
+        "held-out strata whose prompts are reported (e.g. mt-bench,humaneval; [] = every "
+        "stratum): another stratum keeps its validation prompts held out and trains on the rest "
+        "of its held-out share, so data added for training (synth) is neither wasted nor reported",
+    )
     truncated: str = _f(
         "keep_open",
         "answers cut at the generation limit (provenance.finish_reason = 'length', or a "
@@ -712,7 +718,13 @@ class SynthConfig:
     )
     seed: int = _f(0, "seed of the synthesis (same seed, settings and engine = same prompts)")
     temperature: float = _f(1.0, "sampling temperature of the user turns", min=0.01)
-    top_p: float = _f(0.95, "nucleus mass of the user turns", min=0.01, max=1.0)
+    top_p: float = _f(1.0, "nucleus mass of the user turns (1 = off)", min=0.01, max=1.0)
+    top_k: int = _f(
+        50,
+        "sample the user turns among the k most likely tokens (0 = off; transformers' default "
+        "50): vLLM's CPU build samples ~2.3x faster with top-k 50 than with top-p 0.95",
+        min=0,
+    )
     max_tokens: int = _f(
         96, "longest user turn; a turn cut at this length is dropped", unit="tokens", min=4
     )

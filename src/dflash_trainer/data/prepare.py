@@ -32,6 +32,7 @@ from dflash_trainer.data.chat import Rendering, build_dataset, prompt_messages, 
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
 from dflash_trainer.data.synthesize import ensure_synth_responses
+from dflash_trainer.errors import UserError
 from dflash_trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,9 @@ def prepare_data(cfg, tokenizer, target=None, capture=None):
     )
     log.info("tokenized: %s", dataset.stats)
     label = {c.id: source_label(c.id, c.source, written) for c in convs}
-    train, heldout = split_dataset(dataset, label, cfg.data.eval_fraction, cfg.seed, cfg.eval)
+    train, heldout = split_dataset(
+        dataset, label, cfg.data.eval_fraction, cfg.seed, cfg.eval, cfg.data.report_sources
+    )
     run_dir = Path(cfg.run_dir)
     write_split_files(run_dir, convs, train, heldout, cfg.data.format)
     counts = defaultdict(lambda: [0, 0])
@@ -175,40 +178,40 @@ def prepare_data(cfg, tokenizer, target=None, capture=None):
     return train, heldout
 
 
-def split_dataset(dataset, label: dict[str, str], fraction: float, seed: int, eval_cfg):
+def split_dataset(dataset, label: dict[str, str], fraction: float, seed: int, eval_cfg, report=()):
     """(train, held-out) by conversation id, stratified by `label[id]`. Weighted copies share an
     id and stay on one side; the held-out side keeps one copy of each, in a seeded order, with
-    `.sources` and `.roles` (validation / report) set."""
+    `.sources` and `.roles` (validation / report) set. `report` (data.report_sources): strata
+    whose reported prompts are kept; the reported share of any other stratum goes back to
+    training (its validation prompts stay held out: they are drawn as if it were reported, so the
+    validation set is the same either way)."""
     strata: dict[str, list[str]] = defaultdict(list)
     for cid in dict.fromkeys(dataset.ids):
         strata[label.get(cid, "data")].append(cid)
-    held = stratified_pick(strata, fraction, seed, 0x5EED)
-    train_idx = [i for i, g in enumerate(dataset.ids) if g not in held]
+    unknown = sorted(set(report) - set(strata))
+    if unknown:
+        raise UserError(
+            f"data.report_sources names {', '.join(unknown)}: no such stratum in the data (they "
+            f"are {', '.join(sorted(strata))}); fix the name, or [] to report every stratum"
+        )
+    held = sorted(stratified_pick(strata, fraction, seed, 0x5EED))
+    # roles are drawn on the whole held-out share (order-free), before any goes back to training
+    role = dict(zip(held, split_roles(held, [label.get(g, "data") for g in held], eval_cfg, seed)))
+    if report:
+        role = {g: r for g, r in role.items() if r != REPORT or label.get(g, "data") in report}
+    train_idx = [i for i, g in enumerate(dataset.ids) if g not in role]
     first: dict[str, int] = {}
     for i, g in enumerate(dataset.ids):
-        if g in held:
+        if g in role:
             first.setdefault(g, i)
     held_idx = list(first.values())
     order = np.random.default_rng([seed, 0x0DE5]).permutation(len(held_idx)).tolist()
     held_idx = [held_idx[k] for k in order]
     train, heldout = dataset.subset(train_idx), dataset.subset(held_idx)
     heldout.sources = [label.get(g, "data") for g in heldout.ids]
-    heldout.roles = split_roles(heldout.ids, heldout.sources, eval_cfg, seed)
+    heldout.roles = [role[g] for g in heldout.ids]
     train.sources = [label.get(g, "data") for g in train.ids]
     return train, heldout
-
-
-def report_only(heldout, sources):
-    """The held-out set with the reported prompts of `sources` only (e.g. the embedded MT-Bench
-    and HumanEval, where quality goals are stated): the other sources' reported prompts are
-    dropped (never trained on, never reported), every validation prompt is kept. So a run that
-    adds a source (synthesised prompts) reports on the same prompts as one without it."""
-    keep = [
-        i
-        for i, (src, role) in enumerate(zip(heldout.sources, heldout.roles))
-        if role != REPORT or src in sources
-    ]
-    return heldout.subset(keep)
 
 
 def prompt_record(cid: str, messages: list[dict], source: str, data_format: str) -> dict | None:

@@ -18,9 +18,9 @@ end-of-turn token. What it writes is kept only if it is a clean, plausible promp
 Deterministic under `synth.seed` for one engine and dtype: the project's loop draws from a
 seed per (seed, round, hint, copy); vLLM's engine is seeded per round (models/vllm_worker.py:
 no per-request seeds on its CPU build). Each prompt record carries its provenance (synthesised,
-seed, round, temperature, top_p, hint, engine, target, revision, dtype). The output is a JSONL
-of prompt records `{id, messages, source: "synth", provenance}` that `generate` answers like any
-prompt file; a file made with the same settings is reused (`synthesize_prompts`).
+seed, round, temperature, top_p, top_k, hint, engine, target, revision, dtype). The output is a
+JSONL of prompt records `{id, messages, source: "synth", provenance}` that `generate` answers
+like any prompt file; a file made with the same settings is reused (`synthesize_prompts`).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _sample_hf(target, row: list[int], count: int, s, stop, seed: int) -> list[t
     The sampler is keyed by (seed, position): each copy of the row gets its own seed."""
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
-    sampler = Sampler(s.temperature, s.top_p)
+    sampler = Sampler(s.temperature, s.top_p, s.top_k)
     out: list[tuple] = []
     for c0 in range(0, count, _HF_BATCH):
         n = min(_HF_BATCH, count - c0)
@@ -211,6 +211,7 @@ def _sample_vllm(vllm, rows: list[list[int]], count: int, s, stop, seed: int) ->
         stop_ids=stop,
         temperature=s.temperature,
         top_p=s.top_p,
+        top_k=s.top_k,
         seed=seed,
         mode="generate",
         n=count,
@@ -281,6 +282,7 @@ def synth_provenance(cfg, engine: str, dtype: str) -> dict:
         "seed": s.seed,
         "temperature": s.temperature,
         "top_p": s.top_p,
+        "top_k": s.top_k,
         "max_tokens": s.max_tokens,
         "min_chars": s.min_chars,
         "near_duplicate": s.near_duplicate,

@@ -54,6 +54,14 @@ def position_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
     return -torch.log(-torch.log(u))
 
 
+def top_k_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """-inf outside the `top_k` most likely tokens (0 = keep all); ties at the k-th value kept."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """-inf outside the smallest prefix of tokens (by probability) whose mass reaches top_p."""
     if top_p >= 1.0:
@@ -71,11 +79,13 @@ class Sampler:
 
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = every token; applied before top_p, as vLLM and transformers do
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
             raise ValueError(
-                f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
+                "need temperature >= 0, 0 < top_p <= 1 and top_k >= 0, got "
+                f"{self.temperature}, {self.top_p}, {self.top_k}"
             )
 
     @property
@@ -89,7 +99,8 @@ class Sampler:
         absolute positions of the tokens being chosen; `seeds` one per row or one for all."""
         if self.greedy:
             return logits.argmax(-1)
-        scaled = top_p_logits(logits.float() / self.temperature, self.top_p)
+        scaled = top_k_logits(logits.float() / self.temperature, self.top_k)
+        scaled = top_p_logits(scaled, self.top_p)
         seeds = torch.as_tensor(seeds, dtype=torch.int64, device=logits.device)
         noise = position_noise(seeds, positions.to(logits.device), logits.shape[-1])
         return (scaled + noise).argmax(-1)  # Gumbel-max: an exact sample from softmax(scaled)

@@ -11,7 +11,7 @@ Request (JSON):
   drafter          the export directory served as the DFlash drafter, or null (plain decoding)
   num_speculative_tokens   block_size - 1 (vLLM ignores the export's block_size)
   prompts          token id lists, rendered by the project exactly as it renders them
-  max_tokens, stop_token_ids, temperature, top_p   SamplingParams
+  max_tokens, stop_token_ids, temperature, top_p, top_k   SamplingParams
   seed             the engine's seed (LLM(seed=...)); no per-request seed (see SamplingParams)
   mode             "decode": acceptance per prompt (prompts one at a time, batch 1 like the
                    project's loop); "generate": all prompts in one call (regeneration)
@@ -119,6 +119,7 @@ def main(argv: list[str]) -> int:
     sp = SamplingParams(
         temperature=float(req.get("temperature", 0.0)),
         top_p=float(req.get("top_p", 1.0)),
+        top_k=int(req.get("top_k", 0)),  # 0 = off (vLLM's own convention)
         max_tokens=int(req["max_tokens"]),
         stop_token_ids=[int(s) for s in req.get("stop_token_ids", [])],
         # No per-request seed: vLLM 0.32's CPU runner crashes ("CPU Generator does not use
