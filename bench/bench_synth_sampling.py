@@ -1,0 +1,82 @@
+"""How prompt synthesis samples on vLLM's CPU build: top-p against top-k, this CPU.
+
+The `synth` data source (data/synthesize.py) samples user turns from the embedded target's chat
+template. vLLM's CPU build pays for top-p with a sort of the whole 49,152-way vocabulary per
+row and step; top-k (and plain temperature sampling) avoid it. This script samples the same
+turns with the product's engine call (data/synthesize._sample_vllm's: one vLLM request per
+setting, its decode seconds without the engine's start) under each setting and prints
+tokens/s, the turns cut at the length limit, and each setting's speed relative to top-p 0.95
+(the synth default before top-k), measured in one run. Greedy is the ceiling.
+
+Needs vLLM (`make vllm`, DFLASH_VLLM_PYTHON). Run:
+  .venv/bin/python bench/bench_synth_sampling.py [--turns 512] [--max-tokens 96] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dflash_trainer.config_io import load_config
+from dflash_trainer.data.chat import Rendering
+from dflash_trainer.data.generate import choose_engine
+from dflash_trainer.data.synthesize import pre_query_ids
+from dflash_trainer.models.precision import cpu_kind
+from dflash_trainer.models.target import TargetModel
+
+# (label, temperature, top_p, top_k)
+SETTINGS = [
+    ("top-p 0.95", 1.0, 0.95, 0),
+    ("top-k 50", 1.0, 1.0, 50),
+    ("temperature only", 1.0, 1.0, 0),
+    ("greedy", 0.0, 1.0, 0),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--turns", type=int, default=512, help="user turns sampled per setting")
+    ap.add_argument("--max-tokens", type=int, default=96, help="length limit of a turn (tokens)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    cfg = load_config(preset="smollm2-quality")
+    target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
+    _, vllm = choose_engine(cfg, "vllm", args.turns * args.max_tokens)
+    row = pre_query_ids(target.tokenizer, Rendering.from_config(cfg), "", "")
+    out: dict = {"cpu": cpu_kind(), "turns": args.turns, "max_tokens": args.max_tokens}
+    stop = [int(x) for x in target.eos_token_ids]
+    for label, temperature, top_p, top_k in SETTINGS:
+        # the call data/synthesize._sample_vllm makes: one row, `turns` samples of it
+        res = vllm.run(
+            [row],
+            args.max_tokens,
+            stop_ids=stop,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=0,
+            mode="generate",
+            n=args.turns,
+        )
+        turns = res["results"][0].get("samples") or [res["results"][0]["tokens"]]
+        tokens = sum(len(t) for t in turns)
+        cut = sum(not (t and t[-1] in stop) for t in turns)
+        out[label] = {"tokens": tokens, "cut": cut, "decode_s": round(res["run_s"], 1)}
+        out[label]["tok_s"] = round(tokens / res["run_s"], 1)
+    base = out["top-p 0.95"]["tok_s"]
+    for label, *_ in SETTINGS:
+        r = out[label]
+        r["vs_top_p"] = round(r["tok_s"] / base, 2)
+        print(
+            f"{label:17s} {r['tokens']:6d} tokens in {r['decode_s']:6.1f} s = {r['tok_s']:6.1f} "
+            f"tok/s ({r['vs_top_p']}x top-p 0.95), {r['cut']} of {args.turns} cut"
+        )
+    print(f"CPU: {out['cpu']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
