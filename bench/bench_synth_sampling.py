@@ -6,7 +6,8 @@ row and step; top-k (and plain temperature sampling) avoid it. This script sampl
 turns with the product's engine call (data/synthesize._sample_vllm's: one vLLM request per
 setting, its decode seconds without the engine's start) under each setting and prints
 tokens/s, the turns cut at the length limit, and each setting's speed relative to top-p 0.95
-(the synth default before top-k), measured in one run. Greedy is the ceiling.
+(the synth default before top-k), measured in one run. (Greedy has no place here: vLLM
+refuses n > 1 samples of one greedy prompt, and they would all be the same.)
 
 Needs vLLM (`make vllm`, DFLASH_VLLM_PYTHON). Run:
   .venv/bin/python bench/bench_synth_sampling.py [--turns 512] [--max-tokens 96] [--json OUT]
@@ -30,7 +31,6 @@ SETTINGS = [
     ("top-p 0.95", 1.0, 0.95, 0),
     ("top-k 50", 1.0, 1.0, 50),
     ("temperature only", 1.0, 1.0, 0),
-    ("greedy", 0.0, 1.0, 0),
 ]
 
 
