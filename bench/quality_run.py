@@ -56,8 +56,7 @@ from dflash_trainer.run import rundir, train
 
 log = logging.getLogger("quality")
 VARIANTS = ("embedded", "synth-greedy", "synth-sampled", "raw-kd")
-EVAL_SOURCES = ("mt-bench", "humaneval")  # where the goals are stated (chat, code)
-CODE = "humaneval"
+CODE = "humaneval"  # adaptive verify (speedup) is measured on the code prompts
 
 
 def say(msg: str) -> None:
@@ -77,13 +76,14 @@ def synth_phases(cfg, target, phases: Phases) -> None:
 
 def configure_final_eval(cfg, compare: str = "auto") -> None:
     """Phase 6 is the run's own end-of-run evaluation (run/evaluation.py, in metrics.jsonl as
-    eval/*): the reported prompts of each embedded source decoded by ours, plain greedy
+    eval/*): the reported prompts (data.report_sources; the preset names MT-Bench and HumanEval,
+    where the goals are stated; [] = every held-out source) decoded by ours, plain greedy
     (speedup), the reference loop and, where vLLM is installed (`make quality` installs it),
     vLLM serving the export; adaptive verify on the code prompts (speedup); tau_sim on every
     reported prompt. `compare`: the engines beside ours, comma-separated, or auto (the reference
     loop, and vLLM where installed)."""
     e = cfg.eval
-    e.at_end, e.at_end_sources, e.at_end_baseline = True, list(EVAL_SOURCES), True
+    e.at_end, e.at_end_sources, e.at_end_baseline = True, list(cfg.data.report_sources), True
     if compare == "auto":
         served = vllm_unavailable(find_vllm_python(e.vllm_python)) is None
         e.compare = ["reference"] + (["vllm"] if served else [])
@@ -94,12 +94,12 @@ def configure_final_eval(cfg, compare: str = "auto") -> None:
 
 def heldout_checks(rec: dict) -> dict:
     """quality_summary.json's `heldout` from the end-of-run evaluation's eval/* record, per
-    embedded source: tau (ours, the reference loop), speedup over plain greedy with full verify
-    and, on code, adaptive verify; tau_sim on every reported prompt."""
+    decoded source (those with eval/prompts/<source>): tau (ours, the reference loop, vLLM),
+    speedup over plain greedy with full verify and, on code, adaptive verify; tau_sim on every
+    reported prompt."""
     out: dict = {}
-    for src in EVAL_SOURCES:
-        if f"eval/tau/{src}" not in rec:
-            continue  # no reported prompt of this source
+    decoded = sorted(k.removeprefix("eval/prompts/") for k in rec if k.startswith("eval/prompts/"))
+    for src in decoded:
         row = {"prompts": rec[f"eval/prompts/{src}"], "tau": rec[f"eval/tau/{src}"]}
         row["tau_reference_loop"] = rec.get(f"eval/tau_reference/{src}")
         row["tau_vllm"] = rec.get(f"eval/tau_vllm/{src}")  # None where vLLM is not installed

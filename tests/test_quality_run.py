@@ -104,3 +104,26 @@ def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
     recs = [json.loads(x) for x in ans.read_text().splitlines()]
     assert len(recs) == 4 and all(r["provenance"]["temperature"] == 0.8 for r in recs)
     assert all(r["provenance"]["seed"] == 0 and r["provenance"]["engine"] == "hf" for r in recs)
+
+
+def test_the_end_of_run_decode_follows_report_sources():
+    """The sources decoded at the end and the summary's rows are data.report_sources (no second
+    list in the script): the preset's two embedded sources, or with [] every held-out source,
+    the synthesised prompts included."""
+    from dflash_trainer.config_io import load_config
+
+    mod = load_script()
+    cfg = load_config(preset="smollm2-quality")
+    mod.configure_final_eval(cfg, "reference")
+    assert cfg.eval.at_end_sources == ["mt-bench", "humaneval"] == cfg.data.report_sources
+    assert cfg.eval.compare == ["reference"] and cfg.eval.at_end_adaptive == ["humaneval"]
+    cfg.data.report_sources = []
+    mod.configure_final_eval(cfg, "reference")
+    assert cfg.eval.at_end_sources == []  # [] = every reported source (run/evaluation.py)
+    rec = {"eval/prompts": 5, "eval/tau_sim": 1.5, "eval/tau_sim/synth": 1.7}
+    for src, n, tau in (("mt-bench", 2, 1.25), ("synth", 3, 1.5)):
+        rec |= {f"eval/prompts/{src}": n, f"eval/tau/{src}": tau, f"eval/speedup/{src}": 0.9}
+    rows = mod.heldout_checks(rec)
+    assert set(rows) == {"mt-bench", "synth", "tau_sim"}
+    assert rows["synth"]["prompts"] == 3 and rows["synth"]["tau"] == 1.5
+    assert rows["tau_sim"] == {"all": 1.5, "synth": 1.7}
