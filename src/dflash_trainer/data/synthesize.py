@@ -15,12 +15,15 @@ end-of-turn token. What it writes is kept only if it is a clean, plausible promp
   containment of its 3-grams in the excluded prompt counts too, so a fragment copied out of an
   MT-Bench question is refused as well.
 
-Deterministic under `synth.seed` for one engine and dtype: the project's loop draws from a
-seed per (seed, round, hint, copy); vLLM's engine is seeded per round (models/vllm_worker.py:
-no per-request seeds on its CPU build). Each prompt record carries its provenance (synthesised,
-seed, round, temperature, top_p, top_k, hint, engine, target, revision, dtype). The output is a
-JSONL of prompt records `{id, messages, source: "synth", provenance}` that `generate` answers
-like any prompt file; a file made with the same settings is reused (`synthesize_prompts`).
+Deterministic under `synth.seed` on the project's loop (one dtype): it draws from a seed per
+(seed, round, hint, copy). vLLM's engine is seeded per round but its CPU build takes no
+per-request seed (models/vllm_worker.py), and its samples were not reproducible across runs:
+two runs of the same settings on one machine shared 223 of 1,200 prompts (2026-12-06). The
+cached prompts file is the record to keep for a reproducible data set. Each prompt record
+carries its provenance (synthesised, seed, round, temperature, top_p, top_k, hint, engine,
+target, revision, dtype). The output is a JSONL of prompt records
+`{id, messages, source: "synth", provenance}` that `generate` answers like any prompt file; a
+file made with the same settings is reused (`synthesize_prompts`).
 """
 
 from __future__ import annotations
