@@ -3,7 +3,7 @@
 The `synth` data source (data/synthesize.py) samples user turns from the embedded target's chat
 template. vLLM's CPU build pays for top-p with a sort of the whole 49,152-way vocabulary per
 row and step; top-k (and plain temperature sampling) avoid it. This script samples the same
-turns with the product's engine call (data/synthesize._sample_vllm's: one vLLM request per
+turns with the product's sampling call (data/synthesize.sample_turns on vLLM: one request per
 setting, its decode seconds without the engine's start) under each setting and prints
 tokens/s, the turns cut at the length limit, and each setting's speed relative to top-p 0.95
 (the synth default before top-k), measured in one run. (Greedy has no place here: vLLM
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from dflash_trainer.config_io import load_config
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import choose_engine
-from dflash_trainer.data.synthesize import pre_query_ids
+from dflash_trainer.data.synthesize import pre_query_ids, sample_turns
 from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 
@@ -34,6 +35,19 @@ SETTINGS = [
 ]
 
 
+class _DecodeSeconds:
+    """The engine with its last request's decode seconds kept (`run_s`: without the start),
+    which sample_turns does not return."""
+
+    def __init__(self, engine):
+        self.engine, self.run_s = engine, 0.0
+
+    def run(self, *args, **kwargs) -> dict:
+        res = self.engine.run(*args, **kwargs)
+        self.run_s = res["run_s"]
+        return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--turns", type=int, default=512, help="user turns sampled per setting")
@@ -42,28 +56,19 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(preset="smollm2-quality")
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
-    _, vllm = choose_engine(cfg, "vllm", args.turns * args.max_tokens)
+    _, engine = choose_engine(cfg, "vllm", args.turns * args.max_tokens)
+    vllm = _DecodeSeconds(engine)
     row = pre_query_ids(target.tokenizer, Rendering.from_config(cfg), "", "")
     out: dict = {"cpu": cpu_kind(), "turns": args.turns, "max_tokens": args.max_tokens}
-    stop = [int(x) for x in target.eos_token_ids]
     for label, temperature, top_p, top_k in SETTINGS:
-        # the call data/synthesize._sample_vllm makes: one row, `turns` samples of it
-        res = vllm.run(
-            [row],
-            args.max_tokens,
-            stop_ids=stop,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=0,
-            mode="generate",
-            n=args.turns,
+        s = replace(
+            cfg.synth, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=args.max_tokens
         )
-        turns = res["results"][0].get("samples") or [res["results"][0]["tokens"]]
-        tokens = sum(len(t) for t in turns)
-        cut = sum(not (t and t[-1] in stop) for t in turns)
-        out[label] = {"tokens": tokens, "cut": cut, "decode_s": round(res["run_s"], 1)}
-        out[label]["tok_s"] = round(tokens / res["run_s"], 1)
+        (turns,) = sample_turns(target, [row], args.turns, s, "vllm", vllm, seed=0)
+        tokens = sum(len(t) + ended for t, ended in turns)  # a turn's stop token is decoded too
+        cut = sum(not ended for _, ended in turns)
+        out[label] = {"tokens": tokens, "cut": cut, "decode_s": round(vllm.run_s, 1)}
+        out[label]["tok_s"] = round(tokens / vllm.run_s, 1)
     base = out["top-p 0.95"]["tok_s"]
     for label, *_ in SETTINGS:
         r = out[label]
