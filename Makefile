@@ -11,6 +11,21 @@ VLLM_VENV ?= .venv-vllm
 VLLM_VERSION := 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
 
+# CPU_KIND=avx2 runs any target as on an AVX2-only CPU (no native bf16: most laptops, EPYCs
+# before Zen 4) from a machine that has more: torch's kernels, oneDNN and MKL capped at AVX2 and the
+# bf16 probe answering no, so `auto` picks fp32 and bf16 is emulated as there
+# (models/precision.py SIMULATED_AVX2_ENV; results name the kind "AVX2, simulated on ...").
+# e.g. `make demo CPU_KIND=avx2`, `make test CPU_KIND=avx2`, `make bench CPU_KIND=avx2`.
+CPU_KIND ?= native
+ifeq ($(CPU_KIND),avx2)
+export ATEN_CPU_CAPABILITY := avx2
+export ONEDNN_MAX_CPU_ISA := AVX2
+export MKL_ENABLE_INSTRUCTIONS := AVX2
+export DFLASH_TRAINER_CPU_NATIVE_BF16 := 0
+else ifneq ($(CPU_KIND),native)
+$(error CPU_KIND=$(CPU_KIND): use native (this machine as it is) or avx2 (simulate an AVX2-only CPU))
+endif
+
 .PHONY: setup vllm test lint format demo bench bench-quality quality gpu-check clean
 
 $(STAMP): pyproject.toml Makefile

@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 from dflash_trainer.decode.loop import decode
 from dflash_trainer.decode.sampler import Sampler
+from dflash_trainer.models.target import TargetModel
 from test_specdecode import (
     LAYER_IDS,
     OracleDrafter,
@@ -86,3 +87,26 @@ def test_kept_features_are_the_taps_of_prompt_and_answer(kind):
 
 def test_layer_ids_of_the_fixture():
     assert LAYER_IDS == side(tiny_target("llama")).layer_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"])
+def test_rows_prefilled_alone_equal_the_padded_batch(family, monkeypatch):
+    """Prompts of different lengths are prefilled one at a time into a left-padded cache
+    (no pad position computed): the tokens and kept taps equal the padded batch's prefill, for
+    every family; those with sliding-window layers (Mistral, Gemma 3) take the padded batch."""
+    from families import tiny_family_model
+
+    from dflash_trainer.decode import loop
+    from dflash_trainer.models.kv_cache import all_growing, new_kv_cache
+
+    model = tiny_family_model(family)
+    target = TargetModel.from_hf(model, None, [0, 2])
+    prompts = [[7, 9, 11], list(range(3, 40)), [5] * 12, list(range(20, 29))]
+    alone = decode(target, prompts, 12, stop_ids=[], keep_features=True)
+    monkeypatch.setattr(loop, "all_growing", lambda cache: False)  # the padded batch
+    padded = decode(target, prompts, 12, stop_ids=[], keep_features=True)
+    assert [r.tokens for r in alone] == [r.tokens for r in padded]
+    for a, p in zip(alone, padded):
+        assert a.features is not None and p.features is not None
+        assert_close(a.features, p.features, rtol=1e-4, atol=1e-4)
+    assert all_growing(new_kv_cache(model)) is (family not in ("mistral", "gemma3"))

@@ -50,3 +50,35 @@ def test_the_seam_refuses_a_value_it_cannot_read(monkeypatch):
         P.cpu_has_native_bf16()
     monkeypatch.delenv(P.NATIVE_BF16_ENV)
     assert P.cpu_has_native_bf16() is P._probe_cpu_bf16()
+
+
+def test_the_avx2_switch_names_the_simulated_kind(monkeypatch):
+    monkeypatch.setattr(P, "_cpuinfo", lambda: ("AMD EPYC", {"avx2", "avx512f", "avx512_bf16"}))
+    for k, v in P.SIMULATED_AVX2_ENV.items():
+        monkeypatch.setenv(k, v)
+    assert P.simulated_avx2()
+    assert P.cpu_kind() == "AMD EPYC (AVX2, simulated on AVX512-BF16; auto = float32)"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")  # a partial switch is no simulation: said as forced
+    assert not P.simulated_avx2()
+    assert P.cpu_kind() == "AMD EPYC (AVX512-BF16; auto = float32, forced by "
+    "DFLASH_TRAINER_CPU_NATIVE_BF16)"
+
+
+def test_the_avx2_switch_caps_what_torch_dispatches():
+    """The switch is what torch reads at start-up: a process under it dispatches AVX2 kernels
+    (on a machine with AVX2; an older CPU dispatches what it has) and picks fp32."""
+    import os
+    import subprocess
+    import sys
+
+    _, flags = P._cpuinfo()
+    if "avx2" not in flags:
+        pytest.skip("no AVX2 on this machine")
+    code = (
+        "import torch; from dflash_trainer.models import precision as P; "
+        "print(torch.backends.cpu.get_cpu_capability(), P.dtype_name('auto', 'cpu'))"
+    )
+    env = {**os.environ, **P.SIMULATED_AVX2_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["AVX2", "float32"]

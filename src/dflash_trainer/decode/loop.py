@@ -34,7 +34,7 @@ from dflash_trainer.decode.draft import (
     draft_block,
 )
 from dflash_trainer.decode.sampler import Sampler
-from dflash_trainer.models.kv_cache import new_kv_cache
+from dflash_trainer.models.kv_cache import all_growing, left_padded, new_kv_cache
 from dflash_trainer.models.target import TargetModel
 
 GREEDY = Sampler()
@@ -212,18 +212,23 @@ class _Loop:
                 res.features = torch.cat(feats, 0)
 
     def _prefill(self, rows: list[list[int]], seeds: list[int], max_new: int, pad_id: int):
-        """One (left-padded) forward over the prompts; each row's first token."""
+        """The prompts' forward (one left-padded batch, or one row at a time: _prefill_rows);
+        each row's first token."""
         device = self.target.device
         ids, mask, pos = _left_pad(rows, pad_id, device)
-        logits, feats = self.target.forward(
-            ids, pos, self.cache, taps=self.taps, attention_mask=mask, logits_to_keep=1
-        )
+        got = self._prefill_rows(rows) if mask is not None else None
+        if got is None:
+            logits, feats = self.target.forward(
+                ids, pos, self.cache, taps=self.taps, attention_mask=mask, logits_to_keep=1
+            )
+            row_feats = [] if feats is None else [feats[i, -len(r) :] for i, r in enumerate(rows)]
+            self.ctx = feats if self.spec else None
+        else:
+            logits, row_feats = got
         seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
         first = self.sampler.choose(logits[:, -1], pos[:, -1] + 1, seed_t)  # tokens at P
-        if feats is not None:
-            self.ctx = feats if self.spec else None
-            for i, r in enumerate(rows):
-                self.feats[i].append(feats[i, feats.shape[1] - len(r) :])
+        for i, f in enumerate(row_feats):
+            self.feats[i].append(f)
         live = _Rows(list(range(len(rows))), first, pos[:, -1] + 1, seed_t, mask, [])
         self.start = len(rows[0])
         keep = []
@@ -237,6 +242,29 @@ class _Loop:
                 keep.append(i)
         live.keep(keep, self.cache)
         return live
+
+    def _prefill_rows(self, rows: list[list[int]]) -> tuple[torch.Tensor, list] | None:
+        """Rows of different lengths prefilled one at a time, each without padding, into one
+        left-padded batch cache (models/kv_cache.left_padded): (last-position logits [R, 1, V],
+        each row's taps [len, n*H] when tapping). A padded batch would compute every pad
+        position and attend over a full mask (at the embedded set's longest batch, 52 prompts
+        padded to 436 tokens, a third of the prefill was padding). None where the cache cannot
+        be laid out so (sliding-window or linear-attention layers: the padded batch then)."""
+        if not all_growing(self.cache):
+            return None
+        t, device = self.target, self.target.device
+        caches, logits, feats = [], [], []
+        for r in rows:
+            cache = new_kv_cache(t.model)  # type: ignore[arg-type]  # an HF causal LM
+            ids = torch.tensor([r], dtype=torch.long, device=device)
+            pos = torch.arange(len(r), device=device)[None]
+            lg, f = t.forward(ids, pos, cache, taps=self.taps, logits_to_keep=1)
+            caches.append(cache)
+            logits.append(lg)
+            if f is not None:
+                feats.append(f[0])
+        self.cache = left_padded(caches, max(len(r) for r in rows))
+        return torch.cat(logits, 0), feats
 
     def _block(self, live: _Rows, max_new: int) -> tuple[torch.Tensor, int]:
         """The tokens this cycle feeds the target, and the drafts among them (k)."""

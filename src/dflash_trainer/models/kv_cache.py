@@ -105,6 +105,40 @@ class GrowingLayer(DynamicLayer):
             self._rows(torch.arange(self._k.shape[0]).repeat_interleave(repeats))
 
 
+def all_growing(cache: DynamicCache) -> bool:
+    """Is every layer of `cache` a GrowingLayer (full attention), so left_padded can lay it out?"""
+    return bool(cache.layers) and all(type(la) is GrowingLayer for la in cache.layers)
+
+
+def left_padded(rows: list[DynamicCache], width: int) -> DynamicCache:
+    """One batch cache of `rows` (single-row caches, each prefilled without padding; all_growing)
+    laid out as a left-padded batch of `width` positions: row i's keys and values sit at the right
+    end, the padded positions before them are zeros (the attention mask hides them, as it hides
+    the keys of pad tokens)."""
+    if not rows or not all(all_growing(c) for c in rows):
+        raise ValueError("left_padded lays out prefilled caches of full-attention layers only")
+    layers: list[GrowingLayer] = []
+    for per_row in zip(*(c.layers for c in rows)):
+        first = per_row[0]
+        assert first._k is not None and first._v is not None  # prefilled
+        b, h, _, d = first._k.shape
+        cap = max(width, _MIN_CAPACITY)
+        k = first._k.new_zeros((len(rows) * b, h, cap, d))
+        v = first._v.new_zeros((len(rows) * b, h, cap, d))
+        for i, la in enumerate(per_row):
+            n = la._len
+            k[i, :, width - n : width] = la.keys[0]
+            v[i, :, width - n : width] = la.values[0]
+        layer = GrowingLayer()
+        layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+        layer._k, layer._v, layer._len = k, v, width
+        layer._expose()
+        layers.append(layer)
+    out = rows[0]  # its settings (made from the model's config); its layers replaced
+    out.layers = layers  # type: ignore[assignment]
+    return out
+
+
 def new_kv_cache(model: PreTrainedModel) -> DynamicCache:
     """An empty KV cache for `model`: a DynamicCache whose full-attention layers are
     GrowingLayers. Other layer kinds (sliding windows, linear attention) stay as transformers

@@ -85,22 +85,45 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return name, flags
 
 
-def cpu_kind() -> str:
-    """The CPU as results should name it: model, the widest matmul ISA it has, and what `auto`
-    picks on it (e.g. 'Intel Xeon (AMX; auto = bfloat16)'). Benchmark ratios and demo times
-    depend on all three."""
-    name, flags = _cpuinfo()
+# The switch that runs this machine as an AVX2-only CPU (`make ... CPU_KIND=avx2`, Makefile):
+# torch's kernels, oneDNN and MKL each capped at AVX2, and the bf16 probe answering no. Under it a
+# bf16-native machine computes what an AVX2 EPYC computes (fp32 chosen, bf16 emulated), so every
+# figure can be measured for both kinds on one machine.
+SIMULATED_AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    NATIVE_BF16_ENV: "0",
+}
+
+
+def simulated_avx2() -> bool:
+    """Is this process capped to AVX2 by the simulation switch (all four settings as above)?"""
+    return all(os.environ.get(k, "").lower() == v.lower() for k, v in SIMULATED_AVX2_ENV.items())
+
+
+def _widest_isa(flags: set[str]) -> str:
     if "amx_bf16" in flags:
-        isa = "AMX"
-    elif "avx512_bf16" in flags:
-        isa = "AVX512-BF16"
-    elif "avx512f" in flags:
-        isa = "AVX512"
-    elif "avx2" in flags:
-        isa = "AVX2"
-    else:
-        isa = platform.machine()
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX512-BF16"
+    if "avx512f" in flags:
+        return "AVX512"
+    if "avx2" in flags:
+        return "AVX2"
+    return platform.machine()
+
+
+def cpu_kind() -> str:
+    """The CPU as results should name it: model, the widest matmul ISA it computes with, and what
+    `auto` picks on it (e.g. 'Intel Xeon (AMX; auto = bfloat16)'); a simulated kind says so
+    ('AMD EPYC (AVX2, simulated on AVX512-BF16; auto = float32)'). Benchmark ratios and demo
+    times depend on all three."""
+    name, flags = _cpuinfo()
+    isa = _widest_isa(flags)
     auto = dtype_name("auto", "cpu")
+    if simulated_avx2() and isa != "AVX2":
+        return f"{name} (AVX2, simulated on {isa}; auto = {auto})"
     forced = f", forced by {NATIVE_BF16_ENV}" if os.environ.get(NATIVE_BF16_ENV) else ""
     return f"{name} ({isa}; auto = {auto}{forced})"
 
