@@ -30,7 +30,7 @@ from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import generate_responses
 from dflash_trainer.errors import UserError
-from dflash_trainer.models.embedded import cache_root
+from dflash_trainer.files import cache_root
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.run import train
 

@@ -94,10 +94,9 @@ def test_rows_prefilled_alone_equal_the_padded_batch(family, monkeypatch):
     """Prompts of different lengths are prefilled one at a time into a left-padded cache
     (no pad position computed): the tokens and kept taps equal the padded batch's prefill, for
     every family; those with sliding-window layers (Mistral, Gemma 3) take the padded batch."""
-    from families import tiny_family_model
-
     from dflash_trainer.decode import loop
     from dflash_trainer.models.kv_cache import all_growing, new_kv_cache
+    from families import tiny_family_model
 
     model = tiny_family_model(family)
     target = TargetModel.from_hf(model, None, [0, 2])

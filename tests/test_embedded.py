@@ -8,8 +8,9 @@ import pytest
 
 from dflash_trainer.data.embedded import embedded_prompts, humaneval_prompts, mtbench_prompts
 from dflash_trainer.errors import UserError
+from dflash_trainer.files import cache_root
 from dflash_trainer.models import embedded
-from dflash_trainer.models.embedded import cache_root, embedded_target_dir
+from dflash_trainer.models.embedded import embedded_target_dir
 
 HAS = {
     m: importlib.util.find_spec(m) is not None
@@ -151,3 +152,12 @@ def test_embedded_cache_dir_is_a_plain_hf_model(monkeypatch):
     tok = AutoTokenizer.from_pretrained(d)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
     assert tok("Hello world")["input_ids"] == [19556, 905]
+
+
+def test_every_cache_follows_the_one_root(monkeypatch, tmp_path):
+    """DFLASH_TRAINER_CACHE governs every cache: the tokenized data's default goes there too."""
+    from dflash_trainer.config import Config
+    from dflash_trainer.data import chat
+
+    monkeypatch.setenv("DFLASH_TRAINER_CACHE", str(tmp_path / "root"))
+    assert chat._default_cache_dir(Config().data) == tmp_path / "root" / "tokenized"

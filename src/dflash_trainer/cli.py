@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 from dflash_trainer.config import ConfigError
 from dflash_trainer.config_io import help_text, list_presets, load_config
 from dflash_trainer.errors import UserError
+from dflash_trainer.files import cache_root
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
@@ -185,8 +185,7 @@ def _write_traceback(cfg, exc: BaseException) -> Path:
     path = (
         (run_dir / "train.log")
         if run_dir is not None and run_dir.is_dir()
-        else Path(os.environ.get("DFLASH_TRAINER_CACHE", Path.home() / ".cache" / "dflash-trainer"))
-        / "last-error.log"
+        else cache_root() / "last-error.log"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:

@@ -101,7 +101,11 @@ class DataConfig:
         "path to a Jinja chat-template file that replaces the target tokenizer's own template "
         "in generation, training and evaluation ('' = the tokenizer's own)",
     )
-    cache_dir: str = _f("", "tokenized-data cache dir ('' = ~/.cache/dflash-trainer/tokenized)")
+    cache_dir: str = _f(
+        "",
+        "tokenized-data cache dir ('' = CACHE_ROOT/tokenized; CACHE_ROOT = "
+        "$DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer)",
+    )
     roots: list[str] = _f([], "if set, every data path must lie under one of these dirs")
 
 
@@ -166,7 +170,11 @@ class TargetConfig:
     num_taps: int = _f(5, "number of tapped target layers (DFlash rule picks them)", min=1, max=64)
     taps: list[int] = _f([], "explicit 0-based tapped layer ids (overrides num_taps and the rule)")
     trust_remote_code: bool = _f(False, "allow the target repo's own Python code (off by default)")
-    cache_dir: str = _f("", "cache for converted models ('' = ~/.cache/dflash-trainer)")
+    cache_dir: str = _f(
+        "",
+        "cache for converted models, target-written answers and synthesised prompts ('' = "
+        "$DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer)",
+    )
     enable_thinking: bool = _f(False, "chat template thinking mode, where the template has one")
     packed_linear: bool = _f(
         True,

@@ -1,6 +1,7 @@
-"""Atomic replacement of a file or a directory: a reader (or a crash) sees the old content or the
-new one, never a mix. The one helper for what is written in place (split files, `latest`, the
-tokenized cache, exports, best/)."""
+"""Where files go and how they are replaced: the one cache root every cache lives under, and
+atomic replacement of a file or a directory (a reader, or a crash, sees the old content or the
+new one, never a mix; for what is written in place: split files, `latest`, the tokenized cache,
+exports, best/)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+CACHE_ENV = "DFLASH_TRAINER_CACHE"
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    """The root of every cache (converted targets, target-written answers, synthesised prompts,
+    tokenized data, the last error's log): explicit `cache_dir` (target.cache_dir), else
+    $DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "dflash-trainer"
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.files import atomic_file
+from dflash_trainer.files import atomic_file, cache_root
 from dflash_trainer.observe.progress import showing_progress
 
 log = logging.getLogger(__name__)
@@ -525,7 +525,7 @@ def cache_key(data_cfg, tokenizer, conversations, rendering: Rendering) -> str:
 def _default_cache_dir(data_cfg) -> Path:
     if data_cfg.cache_dir:
         return Path(data_cfg.cache_dir).expanduser()
-    return Path.home() / ".cache" / "dflash-trainer" / "tokenized"
+    return cache_root() / "tokenized"
 
 
 def _tokenize_all(

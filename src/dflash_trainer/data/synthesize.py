@@ -52,8 +52,7 @@ from dflash_trainer.data.generate import (
 from dflash_trainer.data.sources import Conversation
 from dflash_trainer.decode.sampler import Sampler, hash32_int
 from dflash_trainer.errors import UserError
-from dflash_trainer.files import write_atomic
-from dflash_trainer.models.embedded import cache_root
+from dflash_trainer.files import cache_root, write_atomic
 from dflash_trainer.models.precision import dtype_label, dtype_name
 from dflash_trainer.models.target import TargetModel
 

