@@ -165,9 +165,11 @@ def test_generate_with_capture_then_train_one_epoch_without_prefilling_captured_
         for i in range(8)
     ]
     cfg = tiny_config(tmp_path, **{"pipeline.feature_cache_gb": 1.0})
-    assert capture_for(cfg, target) is None  # off by default (config.py: measured)
-    cfg.pipeline.capture_features = True
-    cap = capture_for(cfg, target)
+    cap = capture_for(cfg, target)  # on by default where there is a feature cache
+    assert (
+        capture_for(tiny_config(tmp_path / "none", **{"pipeline.feature_cache_gb": 0}), target)
+        is None
+    )
     assert cap is not None
     out = tmp_path / "answers.jsonl"
     generate_responses(

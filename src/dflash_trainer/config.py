@@ -406,14 +406,14 @@ class PipelineConfig:
         min=0.0,
     )
     capture_features: bool = _f(
-        False,
-        "the demo on CPUs with the project's decode loop writing the answers (generate.engine "
-        "hf): keep the target's taps computed while generating, within feature_cache_gb, so the "
-        "first epoch runs the target only for samples whose ids differ from the generated ones "
-        "(pipeline/feature_cache.py). Off by default: measured once on 2 shared cores (fp32, 8 "
-        "prompts x 64 tokens) the first epoch ran 1.30x faster (77 vs 60 tok/s) but generation "
-        "was 220 vs 173 s, within the noise of the shared cores and not yet shown to pay. "
-        "Unused with KD, hidden_weight or label_source=target (they need final hidden states)",
+        True,
+        "CPU runs whose data the project's decode loop writes (generate.engine hf, e.g. the demo "
+        "where auto is fp32): keep the target's taps computed while generating, within "
+        "feature_cache_gb, so the first epoch runs the target only for samples whose ids differ "
+        "from the generated ones and the drafter has the cores from step 1 "
+        "(pipeline/feature_cache.py; bench/RESULTS.md). Unused with KD, hidden_weight or "
+        "label_source=target (they need final hidden states), without a feature cache, and "
+        "where vLLM writes the answers",
     )
     poll_s: float = _f(
         1.0,
