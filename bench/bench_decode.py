@@ -225,9 +225,19 @@ def _result(args, r: SimpleNamespace, m: SimpleNamespace, at_k: dict) -> dict:
     rate = {k: m.tokens[k] / sum(v) for k, v in m.t.items()}
     ar_step = sum(m.t["ar"]) / m.tokens["ar"]
     cycle = sum(m.t["spec"]) / m.cycles  # prefill included: conservative
+    bw = bench_harness.memory_read_gb_s()
+    target_gb = _weight_bytes(r.model) / 1e9
+    drafter_gb = _weight_bytes(r.drafter) / 1e9
+    per_cycle = m.committed / m.cycles
+    # A plain step reads every target weight once; a cycle reads the drafter's and the target's.
+    bound = {"ar": bw / target_gb, "spec": per_cycle * bw / (target_gb + drafter_gb)}
     return {
         "machine": cpu_kind(),
         "kernels": args.kernels,
+        "read_gb_s": bw,
+        "weights_gb": {"target": target_gb, "drafter": drafter_gb},
+        "bound_tok_s": bound,
+        "vs_bound": {k: rate[k] / bound[k] for k in bound},
         "prompts": len(r.prompts),
         "max_new_tokens": r.n,
         "tokens_per_s": rate,
@@ -248,6 +258,21 @@ def _result(args, r: SimpleNamespace, m: SimpleNamespace, at_k: dict) -> dict:
     }
 
 
+def _weight_bytes(model) -> int:
+    """Bytes a forward reads of `model`'s weights (shared tensors once; an embedding table is
+    read row by row, so only a tied one, read whole as the LM head, counts)."""
+    seen, total = set(), 0
+    embeds = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    tied = {id(head.weight)} if head is not None else set()
+    for p in model.parameters():
+        if id(p) in seen or (id(p) in embeds and id(p) not in tied):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
 def _print(result: dict) -> None:
     rate = result["tokens_per_s"]
     print(
@@ -262,6 +287,13 @@ def _print(result: dict) -> None:
         f"steps per cycle); projected speedup at 2/3/4 tokens per cycle: "
         + "/".join(f"{v:.2f}" for v in result["projected_speedup"].values())
         + f"; measured at {result['tokens_per_cycle']:.2f}: {result['speedup_measured']:.2f}x"
+        + f"\nagainst the bandwidth bound ({result['read_gb_s']:.1f} GB/s read; target "
+        f"{result['weights_gb']['target']:.3f} GB, drafter {result['weights_gb']['drafter']:.3f} "
+        "GB of weights per forward): "
+        + ", ".join(
+            f"{k} {rate[k]:.1f} of {v:.1f} tok/s ({result['vs_bound'][k]:.2f})"
+            for k, v in result["bound_tok_s"].items()
+        )
         + "\nat a controlled acceptance: "
         + "; ".join(
             f"{how} verify {v['tokens_per_cycle']:.2f} tokens per cycle, speedup "
@@ -327,6 +359,19 @@ def bench_rows(s: dict) -> list[dict]:
             f"{s['cycle_verify_ms']:.0f} + rest",
         ),
     ]
+    labels = {"ar": "greedy decode (tokens/s)", "spec": "draft-verify decode (tokens/s)"}
+    for k, label in labels.items():
+        if "vs_bound" in s:
+            out.append(
+                bench_harness.row(
+                    label,
+                    "ours",
+                    "the bandwidth bound (weights read per forward / measured read GB/s)",
+                    s["vs_bound"][k],
+                    note=f"{s['tokens_per_s'][k]:.1f} of {s['bound_tok_s'][k]:.1f} tok/s at "
+                    f"{s['read_gb_s']:.1f} GB/s",
+                )
+            )
     for how, v in s["speedup_at_oracle"].items():
         out.append(
             bench_harness.row(

@@ -22,15 +22,6 @@ from dflash_trainer.run.build import build_drafter
 from dflash_trainer.train.objective import DFlashObjective
 
 
-def matmul_peak(dtype, n=2048, reps=8) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
-
-
 def timed(fn, reps):
     fn()
     t0 = time.perf_counter()
@@ -60,7 +51,7 @@ def main():
     # The peak of the dtypes this run computes in only: where bf16 is emulated (AVX2) its peak
     # alone took ~17 minutes of a core and says nothing about the run.
     used = {target.dtype, torch.bfloat16 if bf16 else torch.float32}
-    peaks = {d: matmul_peak(d) for d in used}
+    peaks = {d: bench_harness.matmul_gflops(d, n=2048) / 1e3 for d in used}  # TFLOP/s
 
     t_target = timed(lambda: target.features(ids), 2)
     target_tflops = B * S * fm.target_flops_per_token(S) / t_target / 1e12

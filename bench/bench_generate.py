@@ -98,6 +98,18 @@ def _count(results) -> int:
     return sum(len(t) + int(stopped) for t, stopped in results)
 
 
+def _arithmetic_bound(target, rows: list[list[int]], new_tokens: int) -> dict:
+    """The tokens/s generation would reach if its matmuls ran at this machine's measured fp32
+    matmul rate and nothing else cost time: every prompt and new token through the decoder
+    layers' weights, every new token through the LM head (attention and padding left out, so the
+    bound is generous)."""
+    layers = sum(p.numel() for p in target.layers.parameters() if p.dim() == 2)
+    head = target.lm_head.weight.numel()
+    flops = 2 * layers * (sum(map(len, rows)) + new_tokens) + 2 * head * new_tokens
+    gflops = bench_harness.matmul_gflops(torch.float32)
+    return {"gflops": gflops, "tok_s": new_tokens / (flops / (gflops * 1e9))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompts", type=int, default=32)
@@ -138,6 +150,7 @@ def main() -> None:
         ]
         times[f"ours_batch{b}"] = time.perf_counter() - t0
     rate = {k: _count(runs["one_at_a_time"]) / v for k, v in times.items()}
+    bound = _arithmetic_bound(target, rows, _count(runs["one_at_a_time"]))
     differ = {
         k: sum(a != b for a, b in zip(runs["one_at_a_time"], v))
         for k, v in runs.items()
@@ -155,6 +168,9 @@ def main() -> None:
         "packed_vs_ours": round(rate["ours_packed"] / rate["ours"], 3),
         "ours_vs_cat_cache": round(rate["ours"] / rate["ours_cat_cache"], 3),
         "answers_differing_from_one_at_a_time": differ,
+        "gflops": round(bound["gflops"], 1),
+        "bound_tok_s": round(bound["tok_s"], 1),
+        "ours_vs_bound": round(rate["ours"] / bound["tok_s"], 3),
         "sweep_vs_ours": {
             k: round(v / rate["ours"], 3) for k, v in rate.items() if k.startswith("ours_batch")
         },
@@ -164,7 +180,8 @@ def main() -> None:
         + ", ".join(f"{k} {v} tok/s" for k, v in out["tok_s"].items())
         + f"; ours/one-at-a-time {out['ours_vs_one_at_a_time']}, ours/HF generate "
         f"{out['ours_vs_hf_generate']}, packed/ours {out['packed_vs_ours']}, "
-        f"ours/cat cache {out['ours_vs_cat_cache']}; "
+        f"ours/cat cache {out['ours_vs_cat_cache']}; arithmetic bound {out['bound_tok_s']} "
+        f"tok/s ({out['gflops']} GFLOP/s measured), ours at {out['ours_vs_bound']} of it; "
         f"answers differing: {differ}"
     )
     if args.json:
@@ -187,7 +204,20 @@ def bench_rows(s: dict) -> list[dict]:
         f"{s['tok_s']['one_at_a_time']} (one at a time) tok/s; {s['prompts']} prompts x <= "
         f"{s['max_new_tokens']} tokens, batch {s['batch_size']}"
     )
-    out = [
+    out = (
+        [
+            bench_harness.row(
+                "answer generation, embedded target",
+                f"ours (batch {s['batch_size']})",
+                "the arithmetic bound (measured fp32 matmul rate)",
+                s["ours_vs_bound"],
+                note=f"{s['tok_s']['ours']} of {s['bound_tok_s']} tok/s at {s['gflops']} GFLOP/s",
+            )
+        ]
+        if "ours_vs_bound" in s
+        else []
+    )
+    out += [
         bench_harness.row(
             "answer generation, embedded target",
             "ours",

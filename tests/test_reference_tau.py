@@ -57,6 +57,8 @@ def test_demo_decodes_mt_bench_and_simulates_every_reported_prompt(tmp_path, tra
     t = side(model)
     t.eos_token_ids = []
     configure_final_eval(cfg, report)
+    assert cfg.eval.compare == []  # the demo decodes no reference loop: its equality is checked
+    cfg.eval.compare = ["reference"]  # here, through the demo's own evaluation path
     ev = PeriodicEval(cfg, t, drafter, None, tmp_path, threading.Lock())
     ev.report, ev.dtype = report, torch.float32  # the held-out side as the demo's run has it
     rec = ev.final(0, out_dir)

@@ -49,6 +49,32 @@ def row(work, a, b, ratio, lo=None, hi=None, note=""):
     }
 
 
+def memory_read_gb_s(mib: int = 1024, reps: int = 5) -> float:
+    """Measured read bandwidth of this process's threads: the best of `reps` sums over `mib` MiB
+    of fp32 (far beyond any cache). What a decode step that reads every weight once is bound by."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def matmul_gflops(dtype: torch.dtype = torch.float32, n: int = 1024, reps: int = 8) -> float:
+    """Measured matmul throughput of this process's threads in `dtype` (GFLOP/s, best of
+    `reps`): the arithmetic bound of a step whose cost is its matmuls."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
 # The scripts `dflash-trainer bench` runs, in table order. Each defines BENCH_ARGS (its arguments
 # for a full and a --bench.quick run; the full ones keep the bench within about 20 minutes on 2
 # cores where the script's own defaults size a longer study, bench/RESULTS.md) and bench_rows
