@@ -14,7 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.setup-done
 # CPU_KIND=avx2 runs any target as on an AVX2-only CPU (no native bf16: most laptops, EPYCs
 # before Zen 4) from a machine that has more: torch's kernels, oneDNN and MKL capped at AVX2 and the
 # bf16 probe answering no, so `auto` picks fp32 and bf16 is emulated as there
-# (models/precision.py SIMULATED_AVX2_ENV; results name the kind "AVX2, simulated on ...").
+# (precision.py SIMULATED_AVX2_ENV; results name the kind "AVX2, simulated on ...").
 # e.g. `make demo CPU_KIND=avx2`, `make test CPU_KIND=avx2`, `make bench CPU_KIND=avx2`.
 CPU_KIND ?= native
 ifeq ($(CPU_KIND),avx2)

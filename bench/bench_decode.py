@@ -51,8 +51,8 @@ from dflash_trainer.decode import loop as decode_loop
 from dflash_trainer.eval.specdecode import ar_generate, spec_generate
 from dflash_trainer.models.export import export_drafter, load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
-from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.precision import cpu_kind
 from dflash_trainer.run.build import build_drafter
 
 

@@ -19,8 +19,8 @@ import torch
 
 from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
-from dflash_trainer.models.precision import cpu_has_native_bf16, cpu_kind, dtype_name
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.precision import cpu_has_native_bf16, cpu_kind, dtype_name
 
 
 def _causal(S: int, dtype) -> torch.Tensor:

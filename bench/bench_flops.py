@@ -15,9 +15,9 @@ import torch
 
 from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
-from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.flops import FlopsModel
+from dflash_trainer.precision import use_autocast
 from dflash_trainer.run.build import build_drafter
 from dflash_trainer.train.objective import DFlashObjective
 

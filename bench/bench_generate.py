@@ -43,8 +43,8 @@ from dflash_trainer.data.generate import decode_batch
 from dflash_trainer.decode import loop
 from dflash_trainer.decode.loop import GREEDY
 from dflash_trainer.models.packed_linear import packed_linears
-from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.precision import cpu_kind
 
 
 def _hf_generate(target, rows, max_new, pad_id):

@@ -23,10 +23,10 @@ import torch
 
 from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
-from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.messages import Batch, WorkItem
 from dflash_trainer.pipeline.steps import TargetStep
+from dflash_trainer.precision import cpu_kind
 from dflash_trainer.run.build import build_drafter, build_objective, drafter_heads
 
 

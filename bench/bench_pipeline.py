@@ -45,9 +45,9 @@ from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
-from dflash_trainer.models.precision import cpu_kind, use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.prefetcher import build_batch
+from dflash_trainer.precision import cpu_kind, use_autocast
 from dflash_trainer.run import train
 from dflash_trainer.run.build import build_drafter, build_objective, thread_split
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler

@@ -40,8 +40,8 @@ from pathlib import Path
 
 from dflash_trainer.config_io import load_config, set_value
 from dflash_trainer.data.prepare import prepare_data
-from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.precision import cpu_kind
 from dflash_trainer.run import train
 
 RECIPES = {

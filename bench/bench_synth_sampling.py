@@ -24,8 +24,8 @@ from dflash_trainer.config_io import load_config
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import choose_engine
 from dflash_trainer.data.synthesize import pre_query_ids, sample_turns
-from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.precision import cpu_kind
 
 # (label, temperature, top_p, top_k)
 SETTINGS = [

@@ -47,11 +47,11 @@ from dflash_trainer.data.synthesize import (
     synth_cache_paths,
     synthesized_prompts,
 )
-from dflash_trainer.models.precision import cpu_kind
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.models.vllm_engine import find_vllm_python, vllm_unavailable
 from dflash_trainer.observe.progress import Phases
 from dflash_trainer.observe.report import write_report
+from dflash_trainer.precision import cpu_kind
 from dflash_trainer.run import rundir, train
 
 log = logging.getLogger("quality")

@@ -2,7 +2,7 @@
 kind every test runs under.
 
 What `auto` picks (target.dtype, pipeline.precision) depends on the CPU: bf16 where it has bf16
-matmuls (AVX512-BF16, AMX), fp32 elsewhere (models/precision.py). So that the suite computes the
+matmuls (AVX512-BF16, AMX), fp32 elsewhere (precision.py). So that the suite computes the
 same on every machine, the whole session answers the probe one way through its one seam,
 DFLASH_TRAINER_CPU_NATIVE_BF16 (inherited by the CLI subprocesses tests start):
 `--native-bf16=0` (default: an AVX2-only CPU), `=1` (a bf16-native CPU), `=probe` (this machine's
@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from dflash_trainer.models.precision import NATIVE_BF16_ENV
+from dflash_trainer.precision import NATIVE_BF16_ENV
 
 
 def pytest_addoption(parser):

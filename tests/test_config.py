@@ -343,3 +343,29 @@ def test_the_export_positional_is_export_source():
     assert config_overrides(args, rest) == ["--export.source=ck", "--export.out=o"]
     cfg = load_config(None, None, config_overrides(args, rest))
     assert (cfg.export.source, cfg.export.out) == ("ck", "o")
+
+
+def test_a_presets_fp32_cpu_table_applies_where_the_drafter_trains_in_fp32(
+    cpu_native_bf16, monkeypatch, tmp_path
+):
+    """[fp32_cpu]: the preset's shape on a CPU without native bf16 (auto precision), after the
+    preset's own values and before a config file or flags; absent on a bf16 CPU."""
+    from dflash_trainer import config_io
+
+    (tmp_path / "p.toml").write_text(
+        "[drafter]\nnum_anchors = 40\nloss_slots = 4\n"
+        "[fp32_cpu]\ndrafter.num_anchors = 20\n[fp32_cpu.optim]\nlr = 0.004\n"
+    )
+    monkeypatch.setattr(config_io, "PRESET_DIR", tmp_path)
+    cfg = config_io.load_config("p")
+    fp32 = not cpu_native_bf16
+    assert cfg.drafter.num_anchors == (20 if fp32 else 40) and cfg.drafter.loss_slots == 4
+    assert cfg.optim.lr == (0.004 if fp32 else config_io.Config().optim.lr)
+    assert config_io.preset_kind_table("p", cfg) == (
+        {"drafter.num_anchors": 20, "optim.lr": 0.004} if fp32 else {}
+    )
+    flags = config_io.load_config("p", overrides=["--drafter.num_anchors=33"])
+    assert flags.drafter.num_anchors == 33  # a flag wins over the table
+    bf16 = config_io.load_config("p", overrides=["--pipeline.precision=bf16"])
+    assert bf16.drafter.num_anchors == 40  # the drafter autocasts: not the fp32 shape
+    assert config_io.load_config("p", overrides=["--pipeline.precision=fp32"]).optim.lr == 0.004

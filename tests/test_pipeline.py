@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from dflash_trainer.models.precision import resolve_dtype, use_autocast
 from dflash_trainer.pipeline.runtime import StageError
+from dflash_trainer.precision import resolve_dtype, use_autocast
 from dflash_trainer.run import train
 from dflash_trainer.run.hooks import SteadyRate
 from tiny import tiny_config, tiny_dataset, tiny_target

@@ -1,11 +1,11 @@
-"""What `auto` means on each kind of CPU (models/precision.py), and the seam tests set it by."""
+"""What `auto` means on each kind of CPU (precision.py), and the seam tests set it by."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash_trainer.models import precision as P
+from dflash_trainer import precision as P
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_the_avx2_switch_caps_what_torch_dispatches():
     if "avx2" not in flags:
         pytest.skip("no AVX2 on this machine")
     code = (
-        "import torch; from dflash_trainer.models import precision as P; "
+        "import torch; from dflash_trainer import precision as P; "
         "print(torch.backends.cpu.get_cpu_capability(), P.dtype_name('auto', 'cpu'))"
     )
     env = {**os.environ, **P.SIMULATED_AVX2_ENV}

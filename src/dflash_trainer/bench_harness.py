@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.models.precision import cpu_kind
+from dflash_trainer.precision import cpu_kind
 
 
 def find_bench_dir(start: Path | None = None) -> Path:

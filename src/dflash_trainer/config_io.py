@@ -2,6 +2,12 @@
 
     defaults  <  preset (presets/NAME.toml)  <  --config FILE.toml  <  --section.field=value
 
+A preset may hold a `[fp32_cpu]` table: its shape where the drafter trains on a CPU in float32
+(no native bf16: `auto` precision on an AVX2 CPU), applied right after the preset's own values
+(so a config file or a flag still wins), because there a step costs about twice what it costs in
+bf16 and the recipe that fits a wall-time budget differs (presets/smollm2-cpu.toml says what was
+measured). `preset_kind_table` names what it set.
+
 `load_config` applies them in that order; each value is coerced to its field's type and checked
 against its range (config.py declares both). Unknown keys are errors that suggest the closest
 valid key; a renamed key is an error that names the new one (config.RENAMED). `to_toml` (`config
@@ -19,6 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.config import PRESET_DIR, RENAMED, Config, ConfigError, validate
+from dflash_trainer.precision import use_autocast
+
+# The preset table applied where the drafter computes in fp32 on a CPU (module docstring).
+FP32_CPU_TABLE = "fp32_cpu"
 
 # --------------------------------------------------------------------------------------------
 # Introspection
@@ -283,25 +293,61 @@ def load_config(
     overrides: list[str] | tuple = (),
     base: dict | None = None,
 ) -> Config:
-    """defaults < `base` (a saved config, e.g. an export's training config) < preset <
-    --config file < flags."""
+    """defaults < `base` (a saved config, e.g. an export's training config) < preset (its
+    [fp32_cpu] table too, where the drafter trains in fp32 on a CPU) < --config file < flags."""
+    mapping = _preset_mapping(preset) if preset else {}
+    kind = mapping.pop(FP32_CPU_TABLE, None)
+    cfg = _compose(mapping, preset, config_file, overrides, base)
+    if kind is not None and drafter_fp32_cpu(cfg):
+        cfg = _compose(mapping, preset, config_file, overrides, base, kind)
+    return validate(cfg)
+
+
+def drafter_fp32_cpu(cfg: Config) -> bool:
+    """Does the drafter train in float32 on a CPU (pipeline.precision resolved on this CPU)?"""
+    p = cfg.pipeline
+    return p.drafter_device.startswith("cpu") and not use_autocast(p.precision, p.drafter_device)
+
+
+def preset_kind_table(preset: str | None, cfg: Config) -> dict[str, Any]:
+    """The values `preset`'s [fp32_cpu] table set in `cfg` ({} when it has none or the drafter
+    does not train in fp32 on a CPU): what a run says it adapted to this CPU."""
+    if not preset or not drafter_fp32_cpu(cfg):
+        return {}
+    return _flatten(_preset_mapping(preset).get(FP32_CPU_TABLE, {}))
+
+
+def _preset_mapping(preset: str) -> dict:
+    path = PRESET_DIR / f"{preset}.toml"
+    if not path.is_file():
+        raise ConfigError(
+            f"unknown preset '{preset}'."
+            + _suggest(preset, list_presets())
+            + f" Available: {', '.join(list_presets())}."
+        )
+    return load_toml(path)
+
+
+def _compose(
+    mapping: dict,
+    preset: str | None,
+    config_file: str | None,
+    overrides: list[str] | tuple,
+    base: dict | None,
+    kind: dict | None = None,
+) -> Config:
     cfg = Config()
     if base:
         apply_saved(cfg, base, origin="the recorded training config")
     if preset:
-        path = PRESET_DIR / f"{preset}.toml"
-        if not path.is_file():
-            raise ConfigError(
-                f"unknown preset '{preset}'."
-                + _suggest(preset, list_presets())
-                + f" Available: {', '.join(list_presets())}."
-            )
-        apply_mapping(cfg, load_toml(path), origin=f"preset {preset}")
+        apply_mapping(cfg, mapping, origin=f"preset {preset}")
+    if kind:
+        apply_mapping(cfg, kind, origin=f"preset {preset} [{FP32_CPU_TABLE}]")
     if config_file:
         apply_mapping(cfg, load_toml(config_file), origin=str(config_file))
     for k, v in parse_overrides(list(overrides)):
         set_value(cfg, k, v, origin=f"--{k}")
-    return validate(cfg)
+    return cfg
 
 
 def to_dict(cfg) -> dict:

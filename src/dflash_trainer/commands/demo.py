@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import Config
+from dflash_trainer.config_io import FP32_CPU_TABLE, preset_kind_table
 from dflash_trainer.data.prepare import REPORT, prepare_data
-from dflash_trainer.models.precision import cpu_kind, dtype_label
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import Phases
 from dflash_trainer.observe.report import write_report
 from dflash_trainer.pipeline.feature_cache import capture_for
+from dflash_trainer.precision import cpu_kind, dtype_label
 from dflash_trainer.run import TrainResult, rundir, train
 from dflash_trainer.run.evaluation import HeldoutPrompt, heldout_examples
 from dflash_trainer.run.trainer import setup_run_logging
@@ -49,16 +50,22 @@ def run(cfg: Config, args) -> int:
     try:
         if moved:
             _say(moved)
-        return _demo(cfg, time.monotonic())
+        return _demo(cfg, time.monotonic(), getattr(args, "preset", None))
     finally:
         logging.getLogger().removeHandler(handler)
 
 
-def _demo(cfg: Config, t_all: float) -> int:
+def _demo(cfg: Config, t_all: float, preset: str | None = None) -> int:
     run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
     phases = Phases()
     _say(f"CPU: {cpu_kind()}, {torch.get_num_threads()} threads")
+    shape = preset_kind_table(preset, cfg)
+    if shape:
+        _say(
+            f"    the drafter trains in float32 here (no native bf16): preset {preset}'s "
+            f"[{FP32_CPU_TABLE}] shape, " + ", ".join(f"{k}={v}" for k, v in shape.items())
+        )
     _say(f"1/5 target {cfg.target.model} (dtype {cfg.target.dtype})")
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     _say(

@@ -28,8 +28,8 @@ from dflash_trainer.eval.served import (
     read_export_config,
 )
 from dflash_trainer.models.export import read_training
-from dflash_trainer.models.precision import dtype_label
 from dflash_trainer.observe.sinks import build_sinks
+from dflash_trainer.precision import dtype_label
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from dflash_trainer.decode.loop import decode
 from dflash_trainer.decode.sampler import Sampler, hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root
-from dflash_trainer.models.precision import dtype_label, dtype_name
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.models.vllm_engine import VLLMEngine, engine_for_config
 from dflash_trainer.observe.progress import showing_progress
+from dflash_trainer.precision import dtype_label, dtype_name
 
 log = logging.getLogger(__name__)
 

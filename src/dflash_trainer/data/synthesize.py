@@ -53,8 +53,8 @@ from dflash_trainer.data.sources import Conversation
 from dflash_trainer.decode.sampler import Sampler, hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root, write_atomic
-from dflash_trainer.models.precision import dtype_label, dtype_name
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.precision import dtype_label, dtype_name
 
 log = logging.getLogger(__name__)
 

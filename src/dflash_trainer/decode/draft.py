@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trainer.models.precision import module_dtype
+from dflash_trainer.precision import module_dtype
 
 
 class Drafter(Protocol):

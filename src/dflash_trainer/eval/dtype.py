@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.models.precision import DTYPES, module_dtype
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.precision import DTYPES, module_dtype
 
 
 def eval_dtype(name: str, device: str | torch.device, model_dtype: torch.dtype) -> torch.dtype:

@@ -21,9 +21,9 @@ from dflash_trainer.eval.prompts import load_prompt_set, split_by_training, trai
 from dflash_trainer.eval.specdecode import Drafter, GenResult, spec_generate
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
-from dflash_trainer.models.precision import dtype_label, module_dtype
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import showing_progress
+from dflash_trainer.precision import dtype_label, module_dtype
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_trainer.models.precision import SHORT_NAMES
+from dflash_trainer.precision import SHORT_NAMES
 
 
 @dataclass

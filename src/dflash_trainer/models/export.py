@@ -29,7 +29,7 @@ import torch
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import replace_dir
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
-from dflash_trainer.models.precision import DTYPE_NAMES, DTYPES
+from dflash_trainer.precision import DTYPE_NAMES, DTYPES
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

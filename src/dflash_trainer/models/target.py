@@ -27,7 +27,7 @@ from torch import nn
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import embedded, kv_cache
-from dflash_trainer.models.precision import resolve_dtype
+from dflash_trainer.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 

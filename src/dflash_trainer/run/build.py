@@ -24,11 +24,11 @@ from dflash_trainer.models.attention import resolve_impl
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.init_target import init_from_target, warm_start
 from dflash_trainer.models.layer_map import Unmappable
-from dflash_trainer.models.precision import use_autocast
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.cores import CoreShare
 from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.pipeline.protocols import Target
+from dflash_trainer.precision import use_autocast
 from dflash_trainer.run import rundir
 from dflash_trainer.train.budget import TimeBudget
 from dflash_trainer.train.dflash2_objective import DFlash2Objective

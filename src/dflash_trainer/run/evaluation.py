@@ -33,8 +33,8 @@ from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.files import replace_dir
 from dflash_trainer.models.export import export_drafter, export_dtype, load_drafter
-from dflash_trainer.models.precision import dtype_label
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.precision import dtype_label
 
 log = logging.getLogger(__name__)
 
