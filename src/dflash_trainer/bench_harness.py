@@ -89,6 +89,7 @@ SCRIPTS = [
     "bench_dtype.py",
     "bench_kd.py",
     "bench_generate.py",
+    "bench_capture.py",
     "bench_decode.py",
 ]
 
