@@ -365,7 +365,8 @@ def test_a_presets_fp32_cpu_table_applies_where_the_drafter_trains_in_fp32(
         {"drafter.num_anchors": 20, "optim.lr": 0.004} if fp32 else {}
     )
     flags = config_io.load_config("p", overrides=["--drafter.num_anchors=33"])
-    assert flags.drafter.num_anchors == 33  # a flag wins over the table
+    assert flags.drafter.num_anchors == 33  # a flag wins over the table, and is not said as its
+    assert config_io.preset_kind_table("p", flags) == ({"optim.lr": 0.004} if fp32 else {})
     bf16 = config_io.load_config("p", overrides=["--pipeline.precision=bf16"])
     assert bf16.drafter.num_anchors == 40  # the drafter autocasts: not the fp32 shape
     assert config_io.load_config("p", overrides=["--pipeline.precision=fp32"]).optim.lr == 0.004

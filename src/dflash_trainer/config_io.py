@@ -314,7 +314,16 @@ def preset_kind_table(preset: str | None, cfg: Config) -> dict[str, Any]:
     does not train in fp32 on a CPU): what a run says it adapted to this CPU."""
     if not preset or not drafter_fp32_cpu(cfg):
         return {}
-    return _flatten(_preset_mapping(preset).get(FP32_CPU_TABLE, {}))
+    table = _flatten(_preset_mapping(preset).get(FP32_CPU_TABLE, {}))
+    as_set = Config()
+    apply_mapping(as_set, table, origin=f"preset {preset} [{FP32_CPU_TABLE}]")
+    # only the values that still hold: a config file or a flag may have set another
+    return {k: _value(cfg, k) for k in table if _value(cfg, k) == _value(as_set, k)}
+
+
+def _value(cfg: Config, key: str) -> Any:
+    parent, leaf = _get_parent(cfg, key)
+    return getattr(parent, leaf)
 
 
 def _preset_mapping(preset: str) -> dict:

@@ -246,10 +246,11 @@ class _Loop:
     def _prefill_rows(self, rows: list[list[int]]) -> tuple[torch.Tensor, list] | None:
         """Rows of different lengths prefilled one at a time, each without padding, into one
         left-padded batch cache (models/kv_cache.left_padded): (last-position logits [R, 1, V],
-        each row's taps [len, n*H] when tapping). A padded batch would compute every pad
-        position and attend over a full mask (at the embedded set's longest batch, 52 prompts
-        padded to 436 tokens, a third of the prefill was padding). None where the cache cannot
-        be laid out so (sliding-window or linear-attention layers: the padded batch then)."""
+        each row's taps [len, n*H] when tapping). A padded batch computes every pad position
+        and attends over a full mask (the embedded set in batches of 64: 51.4k prefill positions
+        for 37.6k prompt tokens; generation 1.33x faster this way, bench/RESULTS.md). None where
+        the cache cannot be laid out so (sliding-window or linear-attention layers: the padded
+        batch then)."""
         if not all_growing(self.cache):
             return None
         t, device = self.target, self.target.device
