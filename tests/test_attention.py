@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash_trainer.models import attention as A
+from dflash_trainer.precision import simulated_on
 
 BS = 4
 
@@ -211,12 +212,6 @@ def test_flex_block_mask_tiles_match_the_dense_mask(bs, N, S, tile, seed):
         assert torch.equal(full[..., :ctx_tiles], want_full[..., :ctx_tiles])
 
 
-def _avx2_simulated_on_a_wider_cpu() -> bool:
-    from dflash_trainer.precision import _cpuinfo, simulated_avx2
-
-    return simulated_avx2() and bool({"avx512f", "amx_bf16"} & _cpuinfo()[1])
-
-
 def _multi_tile_inputs(seed: int):
     """q, k, v, anchors, valid, block size at a shape of several 128-tiles (GQA, a row with
     padding blocks): skipped, full and partial tiles all occur."""
@@ -236,7 +231,7 @@ def _multi_tile_inputs(seed: int):
     reason="compiled FlexAttention on CPU needs inductor's C++ compiler",
 )
 @pytest.mark.xfail(
-    condition=_avx2_simulated_on_a_wider_cpu(),
+    condition=bool(simulated_on()),
     reason="under CPU_KIND=avx2 on an AVX512 CPU, inductor's AVX2 code path computes the compiled "
     "flex forward wrong (ATEN_CPU_CAPABILITY=avx2 alone does it; it passes natively and on real "
     "AVX2 CPUs, bench/RESULTS.md 2026-12-06). The product refuses flex on CPU.",

@@ -56,10 +56,10 @@ def test_the_avx2_switch_names_the_simulated_kind(monkeypatch):
     monkeypatch.setattr(P, "_cpuinfo", lambda: ("AMD EPYC", {"avx2", "avx512f", "avx512_bf16"}))
     for k, v in P.SIMULATED_AVX2_ENV.items():
         monkeypatch.setenv(k, v)
-    assert P.simulated_avx2()
+    assert P.simulated_avx2() and P.simulated_on() == "AVX512-BF16"
     assert P.cpu_kind() == "AMD EPYC (AVX2, simulated on AVX512-BF16; auto = float32)"
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")  # a partial switch is no simulation: said as forced
-    assert not P.simulated_avx2()
+    assert not P.simulated_avx2() and P.simulated_on() == ""
     forced = "AMD EPYC (AVX512-BF16; auto = float32, forced by DFLASH_TRAINER_CPU_NATIVE_BF16)"
     assert P.cpu_kind() == forced
 
@@ -82,3 +82,23 @@ def test_the_avx2_switch_caps_what_torch_dispatches():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["AVX2", "float32"]
+
+
+def test_the_switch_on_an_avx2_cpu_simulates_nothing(monkeypatch):
+    monkeypatch.setattr(P, "_cpuinfo", lambda: ("AMD EPYC", {"avx2", "fma"}))
+    for k, v in P.SIMULATED_AVX2_ENV.items():
+        monkeypatch.setenv(k, v)
+    assert P.simulated_on() == ""
+    assert P.cpu_kind().startswith("AMD EPYC (AVX2; auto = float32")
+
+
+def test_the_makefile_switch_sets_what_the_code_calls_the_switch():
+    """CPU_KIND=avx2 in the Makefile exports exactly SIMULATED_AVX2_ENV (the two must not drift:
+    cpu_kind names a run simulated only when all four are set)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    block = text.split("ifeq ($(CPU_KIND),avx2)", 1)[1].split("else", 1)[0]
+    exported = dict(re.findall(r"^export (\w+) := (\S+)$", block, re.M))
+    assert exported == P.SIMULATED_AVX2_ENV

@@ -114,18 +114,25 @@ def _widest_isa(flags: set[str]) -> str:
     return platform.machine()
 
 
+def simulated_on() -> str:
+    """The wider ISA this CPU has when the AVX2 switch caps it (e.g. 'AVX512-BF16'); '' when the
+    switch is off or the CPU is no wider than AVX2 (then nothing is simulated)."""
+    isa = _widest_isa(_cpuinfo()[1])
+    return isa if simulated_avx2() and isa != "AVX2" else ""
+
+
 def cpu_kind() -> str:
     """The CPU as results should name it: model, the widest matmul ISA it computes with, and what
     `auto` picks on it (e.g. 'Intel Xeon (AMX; auto = bfloat16)'); a simulated kind says so
     ('AMD EPYC (AVX2, simulated on AVX512-BF16; auto = float32)'). Benchmark ratios and demo
     times depend on all three."""
     name, flags = _cpuinfo()
-    isa = _widest_isa(flags)
     auto = dtype_name("auto", "cpu")
-    if simulated_avx2() and isa != "AVX2":
-        return f"{name} (AVX2, simulated on {isa}; auto = {auto})"
+    wider = simulated_on()
+    if wider:
+        return f"{name} (AVX2, simulated on {wider}; auto = {auto})"
     forced = f", forced by {NATIVE_BF16_ENV}" if os.environ.get(NATIVE_BF16_ENV) else ""
-    return f"{name} ({isa}; auto = {auto}{forced})"
+    return f"{name} ({_widest_isa(flags)}; auto = {auto}{forced})"
 
 
 def native_bf16(device: str | torch.device) -> bool:

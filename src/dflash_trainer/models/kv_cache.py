@@ -122,7 +122,8 @@ def left_padded(rows: list[DynamicCache], width: int) -> DynamicCache:
         first = per_row[0]
         assert first._k is not None and first._v is not None  # prefilled
         b, h, _, d = first._k.shape
-        cap = max(width, _MIN_CAPACITY)
+        # what _reserve's doubling would grow it to at the first decode step, without the copy
+        cap = max(2 * width, _MIN_CAPACITY)
         k = first._k.new_zeros((len(rows) * b, h, cap, d))
         v = first._v.new_zeros((len(rows) * b, h, cap, d))
         for i, la in enumerate(per_row):
