@@ -26,7 +26,7 @@ else ifneq ($(CPU_KIND),native)
 $(error CPU_KIND=$(CPU_KIND): use native (this machine as it is) or avx2 (simulate an AVX2-only CPU))
 endif
 
-.PHONY: setup vllm test lint format demo bench bench-quality quality gpu-check clean
+.PHONY: setup vllm test lint format docs demo bench bench-quality quality gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,9 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests bench
 	$(VENV)/bin/ruff format src tests bench
+
+docs: $(STAMP)  # docs/reference/config.md from the config schema (tests/test_docs.py checks it)
+	$(VENV)/bin/python -c "from dflash_trainer.config_io import reference_markdown as r; open('docs/reference/config.md', 'w').write(r())"
 
 demo: $(STAMP)
 	$(VENV)/bin/dflash-trainer demo --preset smollm2-cpu

@@ -21,7 +21,7 @@ import time
 import torch
 
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
-from dflash_trainer.train.dflash2_objective import DFlash2Objective
+from dflash_trainer.models.variants.dflash2 import SelectorLoss
 from dflash_trainer.train.objective import DFlashObjective
 
 # the smollm2-cpu preset's drafter (presets/smollm2-cpu.toml) on SmolLM2-135M-Instruct
@@ -49,13 +49,13 @@ def build(variant: str, a):
         variant=variant,
     )
     torch.manual_seed(0)
-    cls = DFlash2Objective if variant == "dflash2" else DFlashObjective
-    obj = cls(
+    obj = DFlashObjective(
         a.block,
         a.anchors,
         mask_token_id=a.vocab - 1,
         loss_slots=a.loss_slots,
         weighting=a.weighting,
+        extra_terms=SelectorLoss() if variant == "dflash2" else None,
     )
     return DFlashDrafter(cfg), obj
 

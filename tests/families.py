@@ -10,7 +10,7 @@ import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe")
 
-# How drafter.init=target treats each (docs/families.md): mapped exactly, or refused.
+# How drafter.init=target treats each (docs/guides/families.md): mapped exactly, or refused.
 MAPPED = {"llama", "qwen3", "mistral", "phi3"}
 
 COMMON = dict(

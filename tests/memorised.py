@@ -10,10 +10,9 @@ and the drafter's 49k-way LM head; memorising needs optimizer steps, not anchors
 and below 0.05 by step 55. With these settings (80 epochs): tau 11.5 of a possible 11.5 on the
 six prompts when every slot was trained, 442 s in all on 2 cores shared with other jobs (load ~6;
 406 s of training). Since the preset trains slots 1..4 only (drafter.loss_slots = 4) the drafter
-memorises those slots and tau is 5.08 (measured again for issue 33: 5.084, as in docs/export.md;
-131 s of training at load ~2). The
-preset's time budget is off so the epochs decide. float32 target and fp32 drafter: exact, and
-what vLLM serves beside it (dtype=float32) for token identity.
+memorises those slots and tau is 5.08 (measured again: 5.084, as in docs/guides/export.md; 131 s
+of training at load ~2). The preset's time budget is off so the epochs decide. float32 target
+and fp32 drafter: exact, and what vLLM serves beside it (dtype=float32) for token identity.
 """
 
 from __future__ import annotations

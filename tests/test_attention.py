@@ -234,7 +234,7 @@ def _multi_tile_inputs(seed: int):
     condition=bool(simulated_on()),
     reason="under CPU_KIND=avx2 on an AVX512 CPU, inductor's AVX2 code path computes the compiled "
     "flex forward wrong (ATEN_CPU_CAPABILITY=avx2 alone does it; it passes natively and on real "
-    "AVX2 CPUs, bench/RESULTS.md 2026-12-06). The product refuses flex on CPU.",
+    "AVX2 CPUs, bench/LOG.md 2026-12-06). The product refuses flex on CPU.",
     strict=False,
 )
 def test_flex_compiled_forward_matches_dense_cpu():

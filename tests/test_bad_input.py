@@ -1,6 +1,6 @@
 """Bad-input matrix through the CLI: each case ends with one clear message (what, where, what to
 do) on stderr, exit code 2, the traceback only in the log file, and nothing already written lost.
-The table in docs/reliability.md lists the same cases."""
+The table in docs/guides/reliability.md lists the same cases."""
 
 import json
 import shutil

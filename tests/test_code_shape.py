@@ -1,4 +1,4 @@
-"""Every function in src/ and bench/ is at most 80 lines (docs/modules.md): a function longer
+"""Every function in src/ and bench/ is at most 80 lines (docs/design/modules.md): a function longer
 than a screen holds more than one concept; split it by concept, not by line count."""
 
 import ast

@@ -151,6 +151,7 @@ PINNED_KEYS = {
         "gamma",
         "rms_norm_eps",
         "rope_theta",
+        "rope",
         "attention",
         "loss_chunk_blocks",
         "init_std",

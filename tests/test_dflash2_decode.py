@@ -19,7 +19,7 @@ from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import summarize
 from dflash_trainer.eval.specdecode import GenResult, spec_generate
 from dflash_trainer.eval.tau_sim import TauSim
-from dflash_trainer.models.dflash2 import warm_start_dflash2
+from dflash_trainer.models.drafter import convert_variant
 from dflash_trainer.models.export import export_drafter
 from test_specdecode import _trained_drafter, ar_generate, random_prompt, side, tiny_target
 
@@ -69,7 +69,7 @@ def _setup(kind="llama"):
 
 
 def _dflash2(d1):
-    return _off_identity(warm_start_dflash2(d1, DFLASH2))
+    return _off_identity(convert_variant(d1, "dflash2", DFLASH2))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -2,11 +2,11 @@
 conversations, and the project's loop, drafting by the selector walk (decode/draft.py ->
 `DFlashDrafter.propose`), then accepts long drafts of the DFlash2 export.
 
-Measured for issue 33 (6 prompts x 24 tokens, the preset's loss on slots 1..4, 80 epochs, the
-same harness for both): DFlash tau 5.08 (tests/test_memorise.py; docs/export.md); DFlash2 walk
-9.58, argmax drafting on the same weights 4.98, and 4.79 with selector_weight 0 (the
-convolutions alone). The convolutions learn what DFlash learns. The selector, trained
-teacher-forced on slots 1..4, carries the walk past the trained slots (docs/dflash2.md,
+Measured (6 prompts x 24 tokens, the preset's loss on slots 1..4, 80 epochs, the same harness
+for both): DFlash tau 5.08 (tests/test_memorise.py; docs/guides/export.md); DFlash2 walk 9.58,
+argmax drafting on the same weights 4.98, and 4.79 with selector_weight 0 (the convolutions
+alone). The convolutions learn what DFlash learns. The selector, trained
+teacher-forced on slots 1..4, carries the walk past the trained slots (docs/guides/dflash2.md,
 "Memorisation").
 
 Runtime: a second memorisation beside the DFlash one (the `memorised` fixture), at the same 80
@@ -29,7 +29,7 @@ from memorised import BLOCK, N_CONV, NEW_TOKENS, memorise
 def test_dflash2_memorises_through_the_real_path(tmp_path):
     m = memorise(tmp_path, ("--drafter.variant=dflash2",))
     drafter = load_drafter(m.export_dir, "cpu", torch.float32)
-    assert drafter.config.is_dflash2
+    assert drafter.config.variant == "dflash2"
 
     def tau(d) -> float:
         with torch.inference_mode():

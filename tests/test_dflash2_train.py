@@ -1,6 +1,7 @@
-"""DFlash2's objective (train/dflash2_objective.py) against a naive per-slot loop, its metrics at
-the neutral start, and a short training run through the real `train()` path with
-variant=dflash2 that learns and exports a DFlash2DraftModel the reference package loads."""
+"""DFlash2's objective (SelectorLoss in models/variants/dflash2.py) against a naive per-slot
+loop, its metrics at the neutral start, and a short training run through the real `train()`
+path with variant=dflash2 that learns and exports a DFlash2DraftModel the reference package
+loads."""
 
 import json
 
@@ -9,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.variants.dflash2 import SelectorLoss
 from dflash_trainer.run import train
-from dflash_trainer.train.dflash2_objective import DFlash2Objective
+from dflash_trainer.train.objective import DFlashObjective
 from tiny import tiny_config, tiny_dataset, tiny_target
 
 H, V, BS, N, S, TOPK = 32, 64, 4, 5, 20, 6
@@ -32,9 +34,7 @@ def _setup(seed=0, randomise=True, V=V):
         vocab_size=V,
         init_std=0.2,
         variant="dflash2",
-        conv_group_size=8,
-        selector_rank=8,
-        selector_top_k=TOPK,
+        options=dict(conv_group_size=8, selector_rank=8, selector_top_k=TOPK),
     )
     d = DFlashDrafter(cfg)
     if randomise:
@@ -49,7 +49,7 @@ def _setup(seed=0, randomise=True, V=V):
     mask[:, :3] = 0
     feats = torch.randn(2, S, 2 * H, generator=g)
     embed = torch.randn(V, H, generator=g)
-    obj = DFlash2Objective(BS, N, mask_token_id=V - 1, chunk_blocks=2)
+    obj = DFlashObjective(BS, N, mask_token_id=V - 1, chunk_blocks=2, extra_terms=SelectorLoss())
     return d, head, ids, mask, feats, embed, obj
 
 
@@ -147,7 +147,7 @@ def test_init_from_a_dflash_export_with_variant_dflash2_starts_neutral(tmp_path)
     )
     d2 = warm_start(res.export_dir, cfg.drafter, target)
     pub = load_drafter(res.export_dir)
-    assert d2.config.is_dflash2 and not pub.config.is_dflash2
+    assert d2.config.variant == "dflash2" and pub.config.variant == "dflash"
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(1, 7, pub.fc.weight.shape[1], generator=g)
     block = torch.randn(1, 4, pub.config.hidden_size, generator=g)

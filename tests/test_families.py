@@ -1,7 +1,8 @@
 """Any target a user brings: every decoder family the serving engines serve, on tiny random
 configs (tests/families.py), through the start-up tap check, `generate`, a few training steps
 from both starts, the export and evaluation; `drafter.init = target` proven to compute the
-target layer's function or refused naming what differs (models/layer_map.py, docs/families.md).
+target layer's function or refused naming what differs (models/layer_map.py,
+docs/guides/families.md).
 """
 
 import json
@@ -57,7 +58,7 @@ def test_target_start_is_exact_or_refused(tmp_path, family):
         return
     d = _drafter(tmp_path, target)  # shapes followed the target: nothing typed
     for i, src in enumerate((2, 3)):
-        err = layer_error(d.layers[i], target.layers[src], target.model, src, d.config.rope_theta)
+        err = layer_error(d.layers[i], target.layers[src], target.model, src, d.rope_cos_sin)
         assert err < 1e-4, (family, src, err)  # fp32 rounding; a mismatch is O(1)
     H = d.config.hidden_size
     torch.testing.assert_close(d.norm.weight, norm_scale(target.final_norm, H, "norm"))
@@ -89,6 +90,27 @@ def test_a_layer_the_drafter_cannot_compute_is_caught_without_a_named_cause(tmp_
     )  # rotary built from the new parameters
     with pytest.raises(UserError, match="RoPE type 'llama3'"):
         _drafter(tmp_path, llama3)
+
+
+def test_llama3_rope_maps_when_the_drafter_takes_the_targets_form(tmp_path):
+    """drafter.rope = target: the drafter rotates with the target's own Llama 3 scaling, so the
+    copied layers compute the target layers' function (models/rope.py)."""
+    target = _target("llama")
+    cfg = target.model.config
+    cfg.rope_parameters = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    llama3 = TargetModel.from_hf(type(target.model)(cfg).eval(), base_tokenizer(), [1, 2])
+    d = _drafter(tmp_path, llama3, **{"drafter.rope": "target"})
+    assert d.config.rope_scaling["rope_type"] == "llama3"
+    for i, src in enumerate((2, 3)):
+        err = layer_error(d.layers[i], llama3.layers[src], llama3.model, src, d.rope_cos_sin, 40)
+        assert err < 1e-4, (src, err)
 
 
 def test_shapes_that_differ_name_the_values_to_pass(tmp_path):

@@ -77,7 +77,7 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, n: int = 1024, reps: int =
 
 # The scripts `dflash-trainer bench` runs, in table order. Each defines BENCH_ARGS (its arguments
 # for a full and a --bench.quick run; the full ones keep the bench within about 20 minutes on 2
-# cores where the script's own defaults size a longer study, bench/RESULTS.md) and bench_rows
+# cores where the script's own defaults size a longer study, bench/LOG.md) and bench_rows
 # (its JSON summary, the last stdout line, as table rows: `row`).
 SCRIPTS = [
     "bench_batching.py",

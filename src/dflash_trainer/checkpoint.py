@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import write_atomic
+from dflash_trainer.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _write_json(path: Path, obj) -> None:
 
 
 def ckpt_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunLayout.of(run_dir).checkpoints
 
 
 @dataclass
@@ -226,7 +227,7 @@ def append_ledger(run_dir, entries: list) -> None:
     fsynced: the ledger never runs ahead of a complete checkpoint."""
     if not entries:
         return
-    with open(Path(run_dir) / "ledger.jsonl", "a", encoding="utf-8") as f:
+    with open(RunLayout.of(run_dir).ledger, "a", encoding="utf-8") as f:
         for epoch, ids in entries:
             f.write(json.dumps({"epoch": epoch, "samples": ids}) + "\n")
         f.flush()

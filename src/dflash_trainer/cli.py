@@ -20,6 +20,7 @@ from dflash_trainer.config import ConfigError
 from dflash_trainer.config_io import help_text, list_presets, load_config
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root
+from dflash_trainer.layout import RunLayout
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
@@ -183,7 +184,7 @@ def _write_traceback(cfg, exc: BaseException) -> Path:
     if getattr(exc, "keep_out_of_run_dir", False):  # run_dir holds another run's log
         run_dir = None
     path = (
-        (run_dir / "train.log")
+        RunLayout(run_dir).log()
         if run_dir is not None and run_dir.is_dir()
         else cache_root() / "last-error.log"
     )

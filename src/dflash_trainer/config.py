@@ -199,7 +199,7 @@ class DrafterConfig:
         "layers, its final norm, and an fc that passes the deepest tapped feature through; "
         "checked at start-up to compute what the target's layers compute, refused (naming "
         "what differs) where the target's layers cannot be mapped onto the drafter's "
-        "(docs/families.md)",
+        "(docs/guides/families.md)",
         choices=("random", "target"),
     )
     init_tap: int = _f(
@@ -225,6 +225,14 @@ class DrafterConfig:
     )
     rms_norm_eps: float = _f(1e-6, "RMSNorm epsilon", min=0.0)
     rope_theta: float = _f(0.0, "RoPE base; 0 = the target's", min=0.0)
+    rope: str = _f(
+        "plain",
+        "the drafter's RoPE form (its base is rope_theta's): plain = unscaled; target = the "
+        "target's own scaling of the layers it stands for (YaRN, Llama 3's, linear), computed "
+        "by transformers' RoPE initialisers and exported with every key engines read "
+        "(docs/guides/export.md); init=target on a Llama 3.x target needs it",
+        choices=("plain", "target"),
+    )
     attention: str = _f(
         "auto",
         "attention implementation: auto = flex on CUDA, split on CPU",
@@ -298,7 +306,7 @@ class DrafterConfig:
         "the LM head, so this matches the whole distribution at no LM-head cost); 0 = off",
         min=0.0,
     )
-    # DFlash2 (docs/dflash2.md): the same drafter plus convolutions and a candidate selector
+    # DFlash2 (docs/guides/dflash2.md): the same drafter plus convolutions and a candidate selector
     variant: str = _f(
         "dflash",
         "drafter variant: dflash, or dflash2 = DFlash plus a grouped dynamic causal convolution "
@@ -411,7 +419,7 @@ class PipelineConfig:
         "where auto is fp32): keep the target's taps computed while generating, within "
         "feature_cache_gb, so the first epoch runs the target only for samples whose ids differ "
         "from the generated ones and the drafter has the cores from step 1 "
-        "(pipeline/feature_cache.py; bench/RESULTS.md). Unused with KD, hidden_weight or "
+        "(pipeline/feature_cache.py; bench/LOG.md). Unused with KD, hidden_weight or "
         "label_source=target (they need final hidden states), without a feature cache, and "
         "where vLLM writes the answers",
     )
@@ -636,7 +644,7 @@ class EvalConfig:
     parity_tolerance: float = _f(
         0.05,
         "largest relative tau difference (|vLLM - ours| / ours) the parity gate accepts: greedy "
-        "float32 decoding agrees exactly but for rounding near-ties (docs/export.md)",
+        "float32 decoding agrees exactly but for rounding near-ties (docs/guides/export.md)",
         min=0.0,
         max=1.0,
     )

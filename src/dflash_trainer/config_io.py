@@ -397,24 +397,56 @@ def to_toml(cfg) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _facts(key: str, f: dataclasses.Field, tp, defaults: Config) -> list[str]:
+    """A field's unit, choices, range, list syntax and default, in words."""
+    obj, leaf = _get_parent(defaults, key)
+    m = f.metadata
+    extra = []
+    if m.get("unit"):
+        extra.append(f"unit: {m['unit']}")
+    if m.get("choices"):
+        extra.append("one of " + "/".join(m["choices"]))
+    if m.get("min") is not None or m.get("max") is not None:
+        lo = "-inf" if m.get("min") is None else m["min"]
+        hi = "inf" if m.get("max") is None else m["max"]
+        extra.append(f"range [{lo}, {hi}]")
+    if typing.get_origin(tp) is list:
+        extra.append('a list: a,b or [a,b] or TOML ["a", "b"]')
+    extra.append(f"default: {json.dumps(getattr(obj, leaf))}")
+    return extra
+
+
 def help_text() -> str:
     """Every field with its type, unit, default and valid range: the body of --help."""
     out = []
     defaults = Config()
     for key, f, tp in iter_fields():
-        obj, leaf = _get_parent(defaults, key)
-        m = f.metadata
-        extra = []
-        if m.get("unit"):
-            extra.append(f"unit: {m['unit']}")
-        if m.get("choices"):
-            extra.append("one of " + "/".join(m["choices"]))
-        if m.get("min") is not None or m.get("max") is not None:
-            lo = "-inf" if m.get("min") is None else m["min"]
-            hi = "inf" if m.get("max") is None else m["max"]
-            extra.append(f"range [{lo}, {hi}]")
-        if typing.get_origin(tp) is list:
-            extra.append('a list: a,b or [a,b] or TOML ["a", "b"]')
-        extra.append(f"default: {json.dumps(getattr(obj, leaf))}")
-        out.append(f"  --{key}=<{_type_name(tp)}>\n      {m.get('help', '')} ({'; '.join(extra)})")
+        extra = _facts(key, f, tp, defaults)
+        out.append(
+            f"  --{key}=<{_type_name(tp)}>\n      {f.metadata.get('help', '')} ({'; '.join(extra)})"
+        )
     return "\n".join(out)
+
+
+def reference_markdown() -> str:
+    """docs/reference/config.md: every key by section, generated from the schema (`make docs`;
+    a test keeps the file equal to this)."""
+    lines = [
+        "# Configuration keys",
+        "",
+        "Generated from `src/dflash_trainer/config.py` by `make docs`; do not edit by hand.",
+        "Set a key with `--section.key=VALUE`, in a TOML file (`--config`), or through a preset",
+        "(`--preset`).",
+    ]
+    defaults = Config()
+    section = None
+    for key, f, tp in iter_fields():
+        top = key.split(".")[0] if "." in key else ""
+        if top != section:
+            section = top
+            lines += ["", f"## [{top}]" if top else "## top level", ""]
+            lines += ["| key | type | meaning | unit, range, default |", "|---|---|---|---|"]
+        extra = "; ".join(_facts(key, f, tp, defaults)).replace("|", "\\|")
+        meaning = f.metadata.get("help", "").replace("|", "\\|")
+        lines.append(f"| `{key}` | {_type_name(tp)} | {meaning} | {extra} |")
+    return "\n".join(lines) + "\n"

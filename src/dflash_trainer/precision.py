@@ -3,7 +3,7 @@ pipeline.precision.
 
 bf16 pays only where the hardware has bf16 matmuls: CUDA GPUs, and CPUs with AVX512-BF16 or AMX
 (oneDNN reports them). Elsewhere, e.g. an AVX2-only AMD EPYC, bf16 is emulated: measured there,
-a SmolLM2-135M forward ran about 10x slower in bf16 than in fp32 (bench/RESULTS.md). So auto
+a SmolLM2-135M forward ran about 10x slower in bf16 than in fp32 (bench/LOG.md). So auto
 picks bf16 on those devices and float32 on the others.
 """
 

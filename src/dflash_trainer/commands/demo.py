@@ -27,6 +27,7 @@ import torch
 from dflash_trainer.config import Config
 from dflash_trainer.config_io import FP32_CPU_TABLE, preset_kind_table
 from dflash_trainer.data.prepare import REPORT, prepare_data
+from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import Phases
 from dflash_trainer.observe.report import write_report
@@ -171,6 +172,7 @@ def _summarize(run_dir: Path, result: TrainResult, checks: dict, t_all: float, p
     except Exception as e:  # the report is a convenience, never fatal
         log.warning("report failed: %s", e)
     phases.end("report")
+    layout = RunLayout(run_dir)
     summary = {
         "cpu": cpu_kind(),
         "phases_s": phases.seconds,
@@ -184,15 +186,15 @@ def _summarize(run_dir: Path, result: TrainResult, checks: dict, t_all: float, p
             "run_dir": str(run_dir),
             "export": str(result.export_dir),
             "checkpoint": str(result.checkpoint),
-            "metrics": str(run_dir / "metrics.jsonl"),
-            "tensorboard": str(run_dir / "tb"),
-            "wandb": str(run_dir / "wandb"),
+            "metrics": str(layout.metrics),
+            "tensorboard": str(layout.tensorboard),
+            "wandb": str(layout.wandb),
             "report": str(report_dir) if report_dir else None,
-            "heldout_prompts": str(run_dir / "heldout.jsonl"),
-            "log": str(run_dir / "train.log"),
+            "heldout_prompts": str(layout.heldout),
+            "log": str(layout.log()),
         },
     }
-    (run_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2))
+    layout.demo_summary.write_text(json.dumps(summary, indent=2))
     _say("summary")
     for k, v in summary.items():
         if k != "artefacts":

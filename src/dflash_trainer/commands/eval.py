@@ -27,6 +27,7 @@ from dflash_trainer.eval.served import (
     parity_problems,
     read_export_config,
 )
+from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.export import read_training
 from dflash_trainer.observe.sinks import build_sinks
 from dflash_trainer.precision import dtype_label
@@ -63,9 +64,9 @@ def config_for(cfg: Config, args: Any, drafter_dir: Path) -> Config:
 
 def run(cfg: Config, args: Any) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    drafter_dir = Path(getattr(args, "drafter_path", None) or Path(cfg.run_dir) / "export")
+    drafter_dir = Path(getattr(args, "drafter_path", None) or RunLayout.of(cfg.run_dir).export)
     cfg = config_for(cfg, args, drafter_dir)
-    output = Path(getattr(args, "output", None) or Path(cfg.run_dir) / "eval.json")
+    output = Path(getattr(args, "output", None) or RunLayout.of(cfg.run_dir).eval_summary)
     target, drafter, block_size = load_eval_pair(cfg, drafter_dir, device)
     dtype = eval_dtype(cfg.eval.dtype, device, target.dtype)  # cast copies where it differs
     names = engines_to_compare(cfg)
@@ -161,7 +162,7 @@ def _log_events(cfg: Config, drafter_dir: Path, rec: dict[str, Any]) -> str:
     when the export belongs to a run directory with metrics; else only into the results file.
     Returns where it went."""
     run_dir = Path(cfg.run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
+    if not RunLayout(run_dir).metrics.is_file():
         return "eval.json only (no RUN_DIR/metrics.jsonl)"
     training = read_training(drafter_dir) if drafter_dir.is_dir() else None
     step = int((training or {}).get("step") or 0)
@@ -171,4 +172,4 @@ def _log_events(cfg: Config, drafter_dir: Path, rec: dict[str, Any]) -> str:
         sinks.event(rec, step)
     finally:
         sinks.close()
-    return str(run_dir / "metrics.jsonl")
+    return str(RunLayout(run_dir).metrics)

@@ -1,7 +1,8 @@
 """`dflash-trainer export CHECKPOINT_DIR --export.out=DIR`: a checkpoint's drafter in the published
 DFlash format (config.json + model.safetensors, what SGLang, vLLM and the `dflash` package
 load), plus training.json (the target's name and revision, the resolved training config), so
-that `dflash-trainer eval --drafter DIR` needs no preset. docs/export.md describes every file."""
+that `dflash-trainer eval --drafter DIR` needs no preset. docs/guides/export.md describes every
+file."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def run(cfg: Config, args) -> int:
         rev = target.get("revision") or target.get("commit") or "not recorded"
         print(f"    {TRAINING_NAME}: target {target.get('model')} (revision {rev})")
         if target.get("engine_model"):
-            print(f"    serve with target {target['engine_model']} (docs/export.md)")
+            print(f"    serve with target {target['engine_model']} (docs/guides/export.md)")
     else:
         print(f"    no {TRAINING_NAME} in the source: eval will need the target (--preset/flags)")
     print(f"evaluate: dflash-trainer eval --drafter {out}")

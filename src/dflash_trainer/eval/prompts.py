@@ -11,6 +11,7 @@ from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.prepare import prompt_hash
 from dflash_trainer.data.sources import BadRecord, parse_record
 from dflash_trainer.errors import UserError
+from dflash_trainer.layout import RunLayout
 
 
 def load_prompt_file(path: str | Path, data_format: str = "chat") -> list[tuple[str, list[dict]]]:
@@ -53,7 +54,7 @@ def load_prompt_file(path: str | Path, data_format: str = "chat") -> list[tuple[
 
 
 def heldout_file(cfg: Any) -> Path:
-    return Path(cfg.eval.heldout_path or Path(cfg.run_dir) / "heldout.jsonl")
+    return Path(cfg.eval.heldout_path or RunLayout.of(cfg.run_dir).heldout)
 
 
 def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:

@@ -22,6 +22,7 @@ import torch
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.specdecode import GenResult
+from dflash_trainer.models import variants
 from dflash_trainer.observe.progress import showing_progress
 
 
@@ -40,14 +41,12 @@ def _cpu_clock(ref_model_module: Any) -> Iterator[None]:
 
 
 def reference_class(ref_model_module: Any, export_dir: str | Path) -> Any:
-    """The reference class that loads the export: DFlash2DraftModel when its config.json names
-    that architecture (docs/dflash2.md), else DFlashDraftModel; the reference's own benchmark
-    picks it the same way. DFlashDraftModel would load a DFlash2 export without its convolutions
-    and selector, with a warning only."""
+    """The reference class that loads the export: the one its variant names (by config.json's
+    architecture; models/variants/), as the reference's own benchmark picks it."""
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    if "DFlash2DraftModel" in (cfg.get("architectures") or []):
-        return ref_model_module.DFlash2DraftModel
-    return ref_model_module.DFlashDraftModel
+    arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
+    spec = variants.by_architecture(arch) or variants.get("dflash")
+    return getattr(ref_model_module, spec.reference_class)
 
 
 @dataclass

@@ -30,12 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.models import dflash2
+from dflash_trainer.models import rope, variants
 from dflash_trainer.models.attention import block_attention
 from dflash_trainer.models.target_layout import (
     SHAPE_FIELDS,
     first_source_layer,
     layer_type,
+    rope_params,
     target_shapes,
 )
 from dflash_trainer.models.target_layout import rope_theta as target_rope_theta
@@ -57,17 +58,14 @@ class DFlashConfig:
     mask_token_id: int
     vocab_size: int
     rope_theta: float = 1e6
+    rope_scaling: dict[str, Any] | None = None  # models/rope.py: None = plain RoPE
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 40960
     attention: str = "auto"  # auto | split | dense | flex (training attention)
     init_std: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on export
-    # dflash2 (models/dflash2.py): convolutions around each sublayer + the candidate selector
-    variant: str = "dflash"
-    conv_kernel_size: int = dflash2.DEFAULT_CONV_KERNEL_SIZE
-    conv_group_size: int = dflash2.DEFAULT_CONV_GROUP_SIZE
-    selector_rank: int = dflash2.DEFAULT_SELECTOR_RANK
-    selector_top_k: int = dflash2.DEFAULT_SELECTOR_TOP_K
+    variant: str = "dflash"  # models/variants/
+    options: dict[str, Any] = field(default_factory=dict)  # the variant's own (defaults filled)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -78,22 +76,13 @@ class DFlashConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.variant not in dflash2.VARIANTS:
-            raise ValueError(f"variant={self.variant!r} is not one of {dflash2.VARIANTS}")
-        if self.is_dflash2:
-            dflash2.check_shape(
-                self.hidden_size,
-                self.block_size,
-                self.vocab_size,
-                self.conv_kernel_size,
-                self.conv_group_size,
-                self.selector_rank,
-                self.selector_top_k,
-            )
+        self.rope_scaling = rope.normalise_scaling(self.rope_scaling, "rope_scaling")
+        self.options = self.spec.complete_options(dict(self.options))
+        self.spec.check(self)
 
     @property
-    def is_dflash2(self) -> bool:
-        return self.variant == "dflash2"
+    def spec(self) -> variants.DrafterVariant:
+        return variants.get(self.variant)
 
     @property
     def num_features(self) -> int:
@@ -117,6 +106,7 @@ class DFlashConfig:
 
     @classmethod
     def _from_configs(cls, drafter_cfg, target, tcfg, pick) -> DFlashConfig:
+        variant = getattr(drafter_cfg, "variant", "dflash")
         return cls(
             hidden_size=int(target.hidden_size),
             num_layers=drafter_cfg.num_layers,
@@ -126,35 +116,23 @@ class DFlashConfig:
             num_target_layers=int(target.num_layers),
             mask_token_id=resolve_mask_token_id(drafter_cfg.mask_token_id, target),
             vocab_size=int(target.vocab_size),
-            rope_theta=drafter_rope_theta(drafter_cfg, target),
+            **drafter_rope(drafter_cfg, target),
             rms_norm_eps=drafter_cfg.rms_norm_eps,
             max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", None) or 40960),
             attention=drafter_cfg.attention,
             init_std=drafter_cfg.init_std,
-            **variant_fields(drafter_cfg),
+            variant=variant,
+            options=variants.get(variant).options_from(drafter_cfg),
         )
 
 
-def variant_fields(drafter_cfg) -> dict:
-    """The DFlash2 keys of a drafter config section (the DFlash defaults where it has none)."""
-    return {
-        "variant": getattr(drafter_cfg, "variant", "dflash"),
-        "conv_kernel_size": getattr(
-            drafter_cfg, "conv_kernel_size", dflash2.DEFAULT_CONV_KERNEL_SIZE
-        ),
-        "conv_group_size": getattr(drafter_cfg, "conv_group_size", dflash2.DEFAULT_CONV_GROUP_SIZE),
-        "selector_rank": getattr(drafter_cfg, "selector_rank", dflash2.DEFAULT_SELECTOR_RANK),
-        "selector_top_k": getattr(drafter_cfg, "selector_top_k", dflash2.DEFAULT_SELECTOR_TOP_K),
-    }
-
-
-def drafter_rope_theta(drafter_cfg, target) -> float:
-    """drafter.rope_theta, or at 0 the target's base for the layers the drafter stands for:
-    with init=target the type of the first copied layer (Gemma 3: a sliding layer's local
-    base, a full layer's global one), else the target's global (full-attention) base. Logged
-    with where it came from, also when the target's config names none."""
-    if drafter_cfg.rope_theta:
-        return float(drafter_cfg.rope_theta)
+def drafter_rope(drafter_cfg, target) -> dict[str, Any]:
+    """The drafter's RoPE (DFlashConfig's rope_theta and rope_scaling). The base:
+    drafter.rope_theta, or at 0 the target's base for the layers the drafter stands for: with
+    init=target the type of the first copied layer (Gemma 3: a sliding layer's local base, a
+    full layer's global one), else the target's global (full-attention) base. The form:
+    drafter.rope = plain (no scaling), or target (the same layers' scaling: YaRN, Llama 3's).
+    Logged with where they came from, also when the target's config names no base."""
     tcfg = target.model.config
     ltype, why = None, ""
     if getattr(drafter_cfg, "init", "random") == "target":
@@ -171,8 +149,15 @@ def drafter_rope_theta(drafter_cfg, target) -> float:
             ltype = layer_type(tcfg, src)
             why = f", the type of copied layer {src}" if ltype else ""
     theta, where = target_rope_theta(tcfg, ltype)
-    log.info("drafter RoPE base %g (%s%s)", theta, where, why)
-    return theta
+    if drafter_cfg.rope_theta:
+        theta, where, why = float(drafter_cfg.rope_theta), "drafter.rope_theta", ""
+    scaling = None
+    if getattr(drafter_cfg, "rope", "plain") == "target":
+        params, at = rope_params(tcfg, ltype)
+        scaling = rope.normalise_scaling(params, f"the target's {at}")
+    form = f"{scaling['rope_type']} scaling as the target's" if scaling else "plain"
+    log.info("drafter RoPE base %g (%s%s), %s", theta, where, why, form)
+    return {"rope_theta": theta, "rope_scaling": scaling}
 
 
 def resolve_mask_token_id(configured: int, target) -> int:
@@ -208,17 +193,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dt)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [*positions.shape, head_dim] for integer positions (any shape), computed in fp32."""
-    inv = 1.0 / (
-        theta
-        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
-    ang = positions.to(torch.float32)[..., None] * inv
-    emb = torch.cat([ang, ang], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -275,13 +249,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # DFlash2: a convolution within the block around each sublayer (None for DFlash)
-        self.attention_conv: dflash2.GroupedDynamicCausalConv | None = None
-        self.mlp_conv: dflash2.GroupedDynamicCausalConv | None = None
-        if cfg.is_dflash2:
-            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
-            self.attention_conv = dflash2.GroupedDynamicCausalConv(*conv)
-            self.mlp_conv = dflash2.GroupedDynamicCausalConv(*conv)
+        # the variant's wraps around the attention / MLP sublayer (none for DFlash)
+        self._wrap_names: dict[str, str] = {}
+        for sublayer, (name, module) in cfg.spec.layer_parts(cfg).items():
+            self.add_module(name, module)
+            self._wrap_names[sublayer] = name
+
+    def _wrap(self, sublayer: str) -> variants.base.SublayerWrap | None:
+        name = self._wrap_names.get(sublayer)
+        return None if name is None else cast("variants.base.SublayerWrap", getattr(self, name))
 
     def forward(self, x, rope, attend):
         """x [B,Q,H] block stream (blocks of block_size consecutive rows); rope = (cos, sin) at
@@ -289,19 +265,21 @@ class DecoderLayer(nn.Module):
         the mask. The context is never convolved: it has no residual stream here."""
         a = self.self_attn
         h = self.input_layernorm(x)
-        if self.attention_conv is not None:
-            h, delta = self.attention_conv.prepare(h)
+        wrap = self._wrap("attention")
+        if wrap is not None:
+            h, state = wrap.prepare(h)
         q = a.project_q(h, *rope)
         k_blk, v_blk = a.project_kv(h, *rope)
         o = a.merge(attend(q, k_blk, v_blk))
-        if self.attention_conv is not None:
-            o = self.attention_conv.finish(o, delta)
+        if wrap is not None:
+            o = wrap.finish(o, state)
         x = x + o
         h = self.post_attention_layernorm(x)
-        if self.mlp_conv is None:
+        wrap = self._wrap("mlp")
+        if wrap is None:
             return x + self.mlp(h)
-        h, delta = self.mlp_conv.prepare(h)
-        return x + self.mlp_conv.finish(self.mlp(h), delta)
+        h, state = wrap.prepare(h)
+        return x + wrap.finish(self.mlp(h), state)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -363,47 +341,43 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg
+        self._rope_tables: dict[torch.device, tuple[torch.Tensor, float]] = {}
         H = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_features * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.candidate_selector: dflash2.CandidateSelector | None = None
-        if cfg.is_dflash2:
-            self.candidate_selector = dflash2.CandidateSelector(
-                cfg.vocab_size, H, cfg.selector_rank, cfg.selector_top_k, cfg.init_std
-            )
+        for name, module in cfg.spec.drafter_parts(cfg).items():
+            self.add_module(name, module)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Linear weights ~ N(0, init_std); every norm weight = 1 (dflash-method.md §2.5).
-        DFlash2's parts start where they change nothing: convolutions identity, selector
-        pairwise term 0 (models/dflash2.py)."""
+        The variant's parts start where they change nothing (models/variants/base.py)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 m.weight.normal_(0.0, self.config.init_std, generator=generator)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
-        self.reset_dflash2(generator)
-
-    @torch.no_grad()
-    def reset_dflash2(self, generator: torch.Generator | None = None) -> None:
-        """DFlash2's parts to their neutral start (a no-op for DFlash): with the rest of the
-        weights a DFlash drafter's, this drafter drafts exactly what that one drafts."""
-        for m in self.modules():
-            if isinstance(m, dflash2.GroupedDynamicCausalConv):
-                m.reset_identity()
-        if self.candidate_selector is not None:
-            self.candidate_selector.reset_parameters(generator)
+        self.config.spec.reset_parts(self, generator)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[B, S, n*H] target taps -> [B, S, H] context (hidden_norm(fc(.)))."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def _rope(self, positions, dtype):
-        c = self.config
-        return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin [*positions.shape, head_dim] of the config's RoPE (models/rope.py). The
+        frequencies are computed once per device, in fp32, outside the parameters (a cast of the
+        drafter to bf16 leaves them exact)."""
+        tables = self._rope_tables.get(positions.device)
+        if tables is None:
+            c = self.config
+            inv, scale = rope.frequencies(
+                c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+            )
+            tables = self._rope_tables[positions.device] = (inv.to(positions.device), scale)
+        return rope.cos_sin(positions, *tables, dtype)
 
     # -------------------------------------------------------------------------------- training
     def forward(
@@ -431,8 +405,8 @@ class DFlashDrafter(nn.Module):
         slot = torch.arange(bs, device=x.device)
         blk_pos = (anchors[:, :, None] + slot).reshape(B, Q)
         ctx_pos = torch.arange(S, device=x.device).expand(B, S)
-        rope_q = self._rope(blk_pos, dt)
-        rope_c = self._rope(ctx_pos, dt)
+        rope_q = self.rope_cos_sin(blk_pos, dt)
+        rope_c = self.rope_cos_sin(ctx_pos, dt)
         masks: dict = {}  # one mask / BlockMask for all layers of this forward
         for layer in self.decoder_layers:
             a = layer.self_attn
@@ -473,13 +447,13 @@ class DFlashDrafter(nn.Module):
             else block_embeds.to(self.fc.weight.dtype)
         )
         dt = x.dtype
-        rope_q = self._rope(torch.arange(start, start + Q, device=dev).expand(B, Q), dt)
+        rope_q = self.rope_cos_sin(torch.arange(start, start + Q, device=dev).expand(B, Q), dt)
         ctx = rope_c = None
         if new_features is not None and new_features.shape[1] > 0:
             C = new_features.shape[1]
             ctx = self.fuse(new_features)
             p0 = cache.length
-            rope_c = self._rope(torch.arange(p0, p0 + C, device=dev).expand(B, C), ctx.dtype)
+            rope_c = self.rope_cos_sin(torch.arange(p0, p0 + C, device=dev).expand(B, C), ctx.dtype)
         for i, layer in enumerate(self.decoder_layers):
             a = layer.self_attn
             if ctx is not None and rope_c is not None:
@@ -511,15 +485,41 @@ class DFlashDrafter(nn.Module):
         verifies), the target's frozen LM head (a module or callable: hidden -> logits
         [B, L, V]) and the anchor [B] (slot 0's token, the bonus token the target committed).
 
-        DFlash: argmax of the logits per slot. DFlash2: the selector walk over each slot's
-        top_k candidates, each slot conditioned on the token drafted for the slot before
-        (models/dflash2.py). temperature > 0: Gumbel-max samples instead of argmax."""
+        How the tokens are picked from the logits is the variant's (DFlash: each slot's argmax;
+        models/variants/). temperature > 0: Gumbel-max samples instead of argmax."""
         # 2-D rows: a 3-D input would make the head's matmul a batched one over an expanded copy
         # of the [V, H] weight (measured on CPU: 26 ms for 4 rows against 10 ms as 2-D)
         logits = lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
-        if self.candidate_selector is None:
-            return dflash2.pick(logits, temperature, generator)
-        return self.candidate_selector.walk(hidden, logits, anchor_ids, temperature, generator)
+        return self.config.spec.propose(self, hidden, logits, anchor_ids, temperature, generator)
 
     def config_dict(self) -> dict:
         return dataclasses.asdict(self.config)
+
+
+def convert_variant(
+    drafter: DFlashDrafter, variant: str, options: dict[str, Any], block_size: int = 0
+) -> DFlashDrafter:
+    """A drafter of `variant` that starts from `drafter` (of a variant it lists in
+    warm_starts_from, e.g. a loaded export): every tensor copied, the new variant's parts at
+    their neutral start, so it drafts exactly what `drafter` drafts until it trains.
+    `block_size` 0 keeps the drafter's."""
+    spec = variants.get(variant)
+    if drafter.config.variant not in spec.warm_starts_from:
+        raise ValueError(
+            f"a {variant} drafter cannot start from a {drafter.config.variant} one (it starts "
+            f"from {list(spec.warm_starts_from) or 'no other variant'})"
+        )
+    over: dict[str, Any] = {"variant": variant, "options": options}
+    if block_size:
+        over["block_size"] = block_size
+    ref = next(drafter.parameters())
+    new = DFlashDrafter(dataclasses.replace(drafter.config, **over))
+    missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
+    own = set(spec.tensor_names(new.config.num_layers))
+    if unexpected or not set(missing) <= own:
+        stray = sorted(set(missing) - own)[:5]
+        raise ValueError(
+            f"converting a {drafter.config.variant} drafter into {variant}: unexpected tensors "
+            f"{unexpected[:5]}, missing ones the variant does not add {stray}"
+        )
+    return new.to(device=ref.device, dtype=ref.dtype)

@@ -7,7 +7,7 @@
 * Prompts: MT-Bench turn-1 questions and HumanEval, read from their wheels' data files by
   data/embedded.py.
 
-See docs/embedded-default.md for the measurements behind these choices.
+See docs/guides/embedded-default.md for the measurements behind these choices.
 """
 
 from __future__ import annotations

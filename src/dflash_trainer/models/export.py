@@ -1,13 +1,13 @@
 """Export/load a drafter in the published z-lab layout (dflash-method.md §1.6).
 
     out_dir/config.json        Qwen3-style config, architectures ["DFlashDraftModel"]
-                               (["DFlash2DraftModel"] for variant dflash2, docs/dflash2.md)
+                               (["DFlash2DraftModel"] for variant dflash2, docs/guides/dflash2.md)
     out_dir/model.safetensors  exactly 3 + 11*L tensors (DFlash2: 6 + 15*L), no "model."
                                prefix, no embed/lm_head
     out_dir/training.json      ours, read by no engine: the target (name, revision) and the
                                resolved training config, so `eval --drafter DIR` needs no preset
 
-Every key and tensor is described in docs/export.md.
+Every key and tensor is described in docs/guides/export.md.
 
 The reference loads it with ``DFlashDraftModel.from_pretrained(out_dir)`` (tests/test_export.py).
 Writes are atomic: everything goes to a sibling temp dir which is then renamed into place, so a
@@ -28,6 +28,7 @@ import torch
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import replace_dir
+from dflash_trainer.models import rope, variants
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.precision import DTYPE_NAMES, DTYPES
 
@@ -77,33 +78,12 @@ _LAYER_PARAMS = (
 )
 
 
-# DFlash2's additions: per layer two convolutions, once the selector (its codebooks are bare
-# tensors, no ".weight", as the reference package and vLLM load them).
-_CONV_PARAMS = tuple(
-    f"{conv}.{p}"
-    for conv in ("attention_conv", "mlp_conv")
-    for p in ("base_kernel", "kernel_projection.weight")
-)
-_SELECTOR_PARAMS = (
-    "candidate_selector.predecessor_codebook",
-    "candidate_selector.successor_codebook",
-    "candidate_selector.hidden_projection.weight",
-)
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-# config.json dflash_config keys of DFlash2 (DFlashConfig fields of the same name)
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
 def expected_names(num_layers: int, variant: str = "dflash") -> list[str]:
-    """The published tensor names: 3 + 11*L for DFlash, 6 + 15*L for DFlash2."""
+    """The published tensor names: DFlash's 3 + 11*L, then the variant's own."""
     names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
     for i in range(num_layers):
         names += [f"layers.{i}.{p}.weight" for p in _LAYER_PARAMS]
-        if variant == "dflash2":
-            names += [f"layers.{i}.{p}" for p in _CONV_PARAMS]
-    if variant == "dflash2":
-        names += list(_SELECTOR_PARAMS)
-    return names
+    return names + variants.get(variant).tensor_names(num_layers)
 
 
 def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
@@ -114,11 +94,10 @@ def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
         "mask_token_id": cfg.mask_token_id,
         "target_layer_ids": list(cfg.target_layer_ids),
     }
-    if cfg.is_dflash2:  # the reference and vLLM read these from dflash_config
-        dflash_config.update({k: getattr(cfg, k) for k in DFLASH2_KEYS})
+    dflash_config.update(cfg.options)  # the reference and vLLM read a variant's keys there
     out.update(
         {
-            "architectures": [ARCHITECTURES[cfg.variant]],
+            "architectures": [cfg.spec.architecture],
             "model_type": "qwen3",
             "block_size": cfg.block_size,
             "num_target_layers": cfg.num_target_layers,
@@ -130,9 +109,11 @@ def hf_config(cfg: DFlashConfig, dtype: torch.dtype) -> dict:
             "num_key_value_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size,
+            # the RoPE in every form engines read: transformers 5 (`rope_parameters`), older
+            # readers (`rope_theta` + `rope_scaling`, vLLM 0.32's transformers<5.20)
             "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "rope_scaling": None,
+            "rope_parameters": rope.rope_parameters(cfg.rope_theta, cfg.rope_scaling),
+            "rope_scaling": cfg.rope_scaling,
             "rms_norm_eps": cfg.rms_norm_eps,
             "max_position_embeddings": cfg.max_position_embeddings,
             "attention_bias": False,
@@ -308,6 +289,27 @@ _KNOWN_CONFIG_KEYS = frozenset(
 )
 
 
+def _rope_scaling(d: dict, path: Path) -> dict[str, Any] | None:
+    """The RoPE form config.json declares, read exactly (models/rope.py): `rope_parameters`
+    (transformers 5) and the older `rope_scaling` must agree where both are given; a form this
+    drafter cannot compute as engines do is refused, never dropped."""
+    try:
+        forms = {
+            k: rope.normalise_scaling(d.get(k), f"{path}: {k}")
+            for k in ("rope_parameters", "rope_scaling")
+            if d.get(k)
+        }
+    except ValueError as e:
+        raise UserError(f"{e}. Serve and load it with an engine that computes it.") from None
+    if len({json.dumps(v, sort_keys=True) for v in forms.values()}) > 1:
+        raise UserError(
+            f"{path}: rope_parameters {d['rope_parameters']} and rope_scaling "
+            f"{d['rope_scaling']} declare two different RoPE forms; keep the one the drafter "
+            "was trained with."
+        )
+    return next(iter(forms.values()), None)
+
+
 def _config_from_json(d: dict, path: Path) -> DFlashConfig:
     def need(key, src=d):
         if key not in src:
@@ -319,16 +321,13 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
 
     dc = need("dflash_config")
     arch = (d.get("architectures") or ["DFlashDraftModel"])[0]
-    variants = {a: v for v, a in ARCHITECTURES.items()}
-    if arch not in variants:
+    spec = variants.by_architecture(arch)
+    if spec is None:
+        known = sorted(v.architecture for v in variants.REGISTRY.values())
         raise UserError(
-            f"{path}: architectures {d.get('architectures')}: this trainer loads "
-            f"{sorted(variants)} only."
+            f"{path}: architectures {d.get('architectures')}: this trainer loads {known} only."
         )
-    variant = variants[arch]
-    dflash2: dict[str, Any] = (
-        {k: int(need(k, dc)) for k in DFLASH2_KEYS} if variant == "dflash2" else {}
-    )
+    options = {k: need(k, dc) for k in spec.options}
     for k in ("input_embedding_scale", "output_multiplier"):
         if float(dc.get(k, 1.0)) != 1.0:
             raise UserError(f"{path}: dflash_config.{k}={dc[k]} is not supported (only 1.0).")
@@ -336,6 +335,7 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
         raise UserError(f"{path}: dflash_config.final_logit_softcapping is not supported.")
     rp = d.get("rope_parameters") or {}
     theta = d.get("rope_theta") or rp.get("rope_theta") or 1e6
+    scaling = _rope_scaling(d, path)
     if d.get("attention_bias"):
         raise UserError(f"{path}: attention_bias=true is not supported (Qwen3 DFlash has none).")
     lt = d.get("layer_types") or []
@@ -358,12 +358,13 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
             mask_token_id=int(need("mask_token_id", dc)),
             vocab_size=int(need("vocab_size")),
             rope_theta=float(theta),
+            rope_scaling=scaling,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
             init_std=float(d.get("initializer_range", 0.02)),
             extra={k: v for k, v in d.items() if k not in _KNOWN_CONFIG_KEYS},
-            variant=variant,
-            **dflash2,
+            variant=spec.name,
+            options=options,
         )
     except (TypeError, ValueError) as e:
         raise UserError(f"{path}: invalid drafter config: {e}.") from None

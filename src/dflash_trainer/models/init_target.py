@@ -17,7 +17,7 @@ Tensors are paired by what they compute (models/layer_map.py: offset norms becom
 weights, fused projections are split), and every copied layer is then run beside its target
 layer on the same input: a family whose layers the drafter's Qwen3-style layer cannot compute
 (Gemma 3's sandwich norms and GeLU, a mixture-of-experts MLP, Qwen2's attention biases) is
-refused with what differs, before any training. docs/families.md has the table.
+refused with what differs, before any training. docs/guides/families.md has the table.
 The architecture and export format are the published ones: only the starting values differ.
 """
 
@@ -29,8 +29,8 @@ import logging
 import torch
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.models import dflash2
-from dflash_trainer.models.drafter import DFlashDrafter, variant_fields
+from dflash_trainer.models import variants
+from dflash_trainer.models.drafter import DFlashDrafter, convert_variant
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.layer_map import (
     LAYER_TOL,
@@ -102,11 +102,13 @@ def check_copied_layers(drafter: DFlashDrafter, target, start: int) -> list[floa
     errs = []
     for i, d_layer in enumerate(drafter.layers):
         src = start + i
-        err = layer_error(d_layer, target.layers[src], target.model, src, drafter.config.rope_theta)
+        err = layer_error(d_layer, target.layers[src], target.model, src, drafter.rope_cos_sin)
         errs.append(err)
         if err > LAYER_TOL:
             tcfg = target.model.config
-            why = differences(target.layers[src], tcfg, src)
+            scaling = drafter.config.rope_scaling
+            kind = scaling["rope_type"] if scaling else "default"
+            why = differences(target.layers[src], tcfg, src, kind)
             theta, ours = rope_theta(tcfg, layer_type(tcfg, src))[0], drafter.config.rope_theta
             if theta != ours:
                 why.insert(0, f"RoPE base {ours:g} (the target's layer {src} uses {theta:g})")
@@ -199,17 +201,18 @@ def warm_start(path, drafter_cfg, target) -> DFlashDrafter:
             log.warning(
                 "%s: using its %s=%s (drafter.%s=%s is ignored)", where, name, theirs, name, ours
             )
-    variant = variant_fields(drafter_cfg)
-    if variant["variant"] == "dflash2" and not pc.is_dflash2:  # DFlash -> DFlash2: neutral start
-        fields = {**variant, "block_size": drafter_cfg.block_size}
-        drafter = dflash2.warm_start_dflash2(pub, fields)
+    want = variants.get(drafter_cfg.variant)
+    if want.name != pc.variant and pc.variant in want.warm_starts_from:  # e.g. DFlash -> DFlash2
+        options = want.options_from(drafter_cfg)
+        drafter = convert_variant(pub, want.name, options, drafter_cfg.block_size)
         drafter.config.attention = drafter_cfg.attention
-        log.info("drafter starts from DFlash export %s as DFlash2 (identity convolutions)", path)
+        log.info("drafter starts from %s export %s as %s", pc.variant, path, want.name)
         return drafter
-    if variant["variant"] != pc.variant:
+    if want.name != pc.variant:
         raise UserError(
-            f"{where} is a {pc.variant} drafter but drafter.variant={variant['variant']}; set "
-            f"drafter.variant={pc.variant} (a DFlash2 drafter cannot become a DFlash one)."
+            f"{where} is a {pc.variant} drafter but drafter.variant={want.name}; set "
+            f"drafter.variant={pc.variant} (a {want.name} drafter starts from "
+            f"{list(want.warm_starts_from) or 'no other variant'})."
         )
     cfg = dataclasses.replace(
         pc, block_size=drafter_cfg.block_size, attention=drafter_cfg.attention

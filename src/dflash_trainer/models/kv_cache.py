@@ -5,7 +5,7 @@ Why: `DynamicLayer.update` does `torch.cat([keys, new])` for every layer at ever
 decode step reads and rewrites the whole cache into a fresh allocation. On a CPU that copy took
 up to 36% of a batched generation's time (SmolLM2-135M, 32 rows, 2-core EPYC: `aten::cat`
 22.9 s of 64 s), more than attention itself; how much depends on the allocator's state (fresh
-pages or reused ones), see bench/RESULTS.md. Here a step writes only its new tokens; capacity
+pages or reused ones), see bench/LOG.md. Here a step writes only its new tokens; capacity
 doubles when full (amortised O(1) per token, like a Python list), and the layer hands attention
 a view of the filled part.
 Cropping rejected drafts (speculative decoding) moves the fill mark and copies nothing. The

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trainer.models.drafter import rope_cos_sin
 from dflash_trainer.models.target_layout import layer_type, rope_params, text_config
 
 LAYER_TOL = 1e-3  # relative, fp32 copies: a kernel's rounding is ~1e-6, a real mismatch O(1)
@@ -154,7 +154,7 @@ def layer_error(
     t_layer: nn.Module,
     target_model: nn.Module,
     layer_idx: int,
-    rope_theta: float,
+    rope_cos_sin: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]],
     seq_len: int = 12,
     seed: int = 0,
 ) -> float:
@@ -196,7 +196,7 @@ def layer_error(
 
     if not has_qk_norm(t):  # the drafter's one imposed difference (module docstring)
         d.self_attn.q_norm, d.self_attn.k_norm = nn.Identity(), nn.Identity()
-    rope = rope_cos_sin(pos, d.self_attn.head_dim, rope_theta, torch.float32)
+    rope = rope_cos_sin(pos, torch.float32)  # the drafter's own (DFlashDrafter.rope_cos_sin)
 
     def attend(q, k, v):  # plain causal attention, its probabilities kept
         rep = q.shape[1] // k.shape[1]
@@ -232,9 +232,11 @@ def _logit_error(p_got: torch.Tensor, p_want: torch.Tensor) -> float:
 # ------------------------------------------------------------------------- naming the cause
 
 
-def differences(t_layer: nn.Module, tcfg, layer_idx: int) -> list[str]:
+def differences(
+    t_layer: nn.Module, tcfg, layer_idx: int, drafter_rope_type: str = "default"
+) -> list[str]:
     """What a target layer computes that the drafter's Qwen3-style layer does not (for the
-    refusal message; `layer_error` decides)."""
+    refusal message; `layer_error` decides). `drafter_rope_type`: the drafter's RoPE form."""
     c = text_config(tcfg)
     attn, mlp, out = t_layer.self_attn, t_layer.mlp, []
     act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
@@ -263,8 +265,11 @@ def differences(t_layer: nn.Module, tcfg, layer_idx: int) -> list[str]:
         out.append(f"biases on {'/'.join(biased)} (the drafter's projections have none)")
     params, _ = rope_params(tcfg, layer_type(tcfg, layer_idx))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in (None, "default"):
-        out.append(f"RoPE type {rope_type!r} (the drafter's RoPE is unscaled)")
+    if rope_type not in (None, "default") and rope_type != drafter_rope_type:
+        out.append(
+            f"RoPE type {rope_type!r} (the drafter's is {drafter_rope_type!r}: "
+            "--drafter.rope=target gives it the target's)"
+        )
     partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     if partial is not None and float(partial) < 1.0:
         out.append(f"partial rotary (factor {partial}; the drafter rotates the whole head)")

@@ -7,7 +7,7 @@ trained per busy second. Their ratio says how many target workers (devices) one 
 can absorb; the busy fractions say which side waited on the other.
 
 Existing trainers leave this to the user (SpecForge found its 1 target + 7 trainer split by hand;
-TorchSpec reports the imbalance but does not size it): docs/landscape.md.
+TorchSpec reports the imbalance but does not size it): docs/design/landscape.md.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 GIB = float(1 << 30)
 
-# Clock-event (throttle) reason bits, nvmlClocksEventReasons (docs/observability.md §2 table).
+# Clock-event (throttle) reason bits, nvmlClocksEventReasons (docs/design/observability.md §2
+# table).
 _THROTTLE_POWER = 0x4 | 0x80  # SW power cap | HW power brake
 _THROTTLE_THERMAL = 0x20 | 0x40  # SW thermal | HW thermal
 _THROTTLE_HW_SLOWDOWN = 0x8
@@ -164,7 +165,7 @@ class NvmlCollector:
 
 
 class AllocatorCollector:
-    """`torch.cuda.memory_stats` keys of docs/observability.md §7.6 for each CUDA device.
+    """`torch.cuda.memory_stats` keys of docs/design/observability.md §7.6 for each CUDA device.
 
     `memory_stats(ordinal) -> dict` is injectable for tests. Returns {} for devices whose CUDA
     context does not exist yet (memory_stats is then {} and never creates one, §8.7).

@@ -9,7 +9,7 @@ is counted in `monitor/collector_errors`, reported once, never raised (observabi
 
 Worker roles come from the counters (`WorkerCounters.role`): `target` workers feed
 `tput/target_*`, `drafter` and `sequential` workers (drafter training) `tput/drafter_*`. Keys
-follow the catalogue of docs/observability.md §7.
+follow the catalogue of docs/design/observability.md §7.
 """
 
 from __future__ import annotations

@@ -12,9 +12,12 @@ consumer (the monitor) pops from `_pending` and appends to `_free`. deque append
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
+
+from dflash_trainer.observe.counters import WorkerCounters
 
 
 class StepTimer:
@@ -60,3 +63,28 @@ class StepTimer:
             self.total_ms += start.elapsed_time(end)
             self.count += 1
             self._free.append((start, end))
+
+
+class StepMeter:
+    """Where one worker's step time goes, kept outside the step: the worker starts it right
+    before the step, the step calls `lap(phase)` where each phase ends (and `gauge` for a Python
+    value), and the laps go to the worker's counters (None: a bare call, nothing recorded)."""
+
+    __slots__ = ("counters", "_t")
+
+    def __init__(self, counters: WorkerCounters | None = None):
+        self.counters = counters
+        self._t = time.perf_counter_ns()
+
+    def start(self) -> None:
+        self._t = time.perf_counter_ns()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter_ns()
+        if self.counters is not None:
+            self.counters.add_phase(phase, now - self._t)
+        self._t = now
+
+    def gauge(self, name: str, value: float) -> None:
+        if self.counters is not None:
+            self.counters.gauges[name] = value

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +354,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     """Plots of RUN_DIR/metrics.jsonl as PNGs and report.html in `out_dir` (default
     RUN_DIR/report); returns the HTML's path."""
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
+    path = RunLayout(run_dir).metrics
     if not path.is_file():
         raise UserError(
             f"{path}: no metrics file; pass a run directory written by "
@@ -362,7 +363,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     rows, events = read_metrics(path)
     if not rows:
         raise UserError(f"{path}: contains no metric records yet; run training longer")
-    out = Path(out_dir) if out_dir else run_dir / "report"
+    out = Path(out_dir) if out_dir else RunLayout(run_dir).report
     out.mkdir(parents=True, exist_ok=True)
     r = _Report(rows, events, out)
     k = lambda pat: _keys(rows, pat)  # noqa: E731

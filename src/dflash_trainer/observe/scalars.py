@@ -4,7 +4,7 @@ The drafter worker stacks its step metrics into one small 1-D device tensor and 
 a non-blocking copy into a preallocated (pinned, on CUDA) host slot plus one CUDA event recorded on
 the current stream. Nothing waits. The monitor thread later `drain`s the slots whose event has
 completed (`Event.query()`, a non-blocking cudaEventQuery) and reads them as plain host memory
-through a numpy view, so draining dispatches no torch op at all (docs/observability.md §3.4).
+through a numpy view, so draining dispatches no torch op at all (docs/design/observability.md §3.4).
 
 Concurrency: one producer (the worker), one consumer (the monitor). `_head` counts pushes, `_tail`
 counts consumed slots; slot of sequence number n is n % capacity. The only state both threads write
@@ -33,7 +33,7 @@ class ScalarRing:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         # Pinned memory makes the D2H copy truly asynchronous; pageable + non_blocking silently
-        # becomes a synchronous copy (docs/observability.md §8.1).
+        # becomes a synchronous copy (docs/design/observability.md §8.1).
         self._buf = torch.zeros(
             capacity, len(self.names), dtype=torch.float32, pin_memory=self._cuda
         )

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.layout import RunLayout
+
 log = logging.getLogger(__name__)
 
 SECRET_MARKERS = ("key", "token", "secret", "password")
@@ -90,8 +92,8 @@ class JsonlSink(Sink):
 
     name = "jsonl"
 
-    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl"):
-        self.path = Path(run_dir) / filename
+    def __init__(self, run_dir: str | Path):
+        self.path = RunLayout.of(run_dir).metrics
         self._warn = _WarnOnce(self.name)
         self._f = None
         try:
@@ -136,7 +138,7 @@ class TensorBoardSink(Sink):
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._w = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+            self._w = SummaryWriter(log_dir=str(RunLayout.of(run_dir).tensorboard))
         except Exception as e:  # ModuleNotFoundError: No module named 'tensorboard'
             log.warning("TensorBoard disabled (%s); `pip install tensorboard` to enable it", e)
 

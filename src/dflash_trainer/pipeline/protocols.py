@@ -10,17 +10,14 @@ only: nothing here runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from dflash_trainer.observe.profile import StepTimer
+from dflash_trainer.observe.profile import StepMeter, StepTimer
 from dflash_trainer.pipeline.messages import HiddenBatch, WorkItem
 from dflash_trainer.train.objective import StepOutput
-
-if TYPE_CHECKING:  # steps.py implements the step functions and imports this module
-    from dflash_trainer.pipeline.steps import StepMeter
 
 
 class Target(Protocol):

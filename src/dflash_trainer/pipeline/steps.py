@@ -7,12 +7,10 @@ ScalarRing (non-blocking copy + event); the monitor reads them once ready.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
-from dflash_trainer.observe.counters import WorkerCounters
-from dflash_trainer.observe.profile import StepTimer
+from dflash_trainer.observe.profile import StepMeter, StepTimer
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.pipeline.messages import Batch, HiddenBatch, WorkItem
@@ -22,31 +20,6 @@ from dflash_trainer.train.optim import GuardedStep
 
 def _is_cuda(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
-
-
-class StepMeter:
-    """Where one worker's step time goes, kept outside the step: the worker starts it right
-    before the step, the step calls `lap(phase)` where each phase ends (and `gauge` for a Python
-    value), and the laps go to the worker's counters (None: a bare call, nothing recorded)."""
-
-    __slots__ = ("counters", "_t")
-
-    def __init__(self, counters: WorkerCounters | None = None):
-        self.counters = counters
-        self._t = time.perf_counter_ns()
-
-    def start(self) -> None:
-        self._t = time.perf_counter_ns()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter_ns()
-        if self.counters is not None:
-            self.counters.add_phase(phase, now - self._t)
-        self._t = now
-
-    def gauge(self, name: str, value: float) -> None:
-        if self.counters is not None:
-            self.counters.gauges[name] = value
 
 
 def _on(stream):

@@ -16,12 +16,12 @@ import torch
 
 from dflash_trainer.checkpoint import TrainState
 from dflash_trainer.observe.counters import WorkerCounters
+from dflash_trainer.observe.profile import StepMeter
 from dflash_trainer.pipeline.cores import CoreShare, DrafterTeam
 from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkItem
 from dflash_trainer.pipeline.protocols import DrafterStepFn, StepHooks, TargetStepFn
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.stage import Stage
-from dflash_trainer.pipeline.steps import StepMeter
 from dflash_trainer.train.budget import TimeBudget
 
 log = logging.getLogger(__name__)

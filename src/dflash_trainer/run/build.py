@@ -8,7 +8,6 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -31,7 +30,6 @@ from dflash_trainer.pipeline.protocols import Target
 from dflash_trainer.precision import use_autocast
 from dflash_trainer.run import rundir
 from dflash_trainer.train.budget import TimeBudget
-from dflash_trainer.train.dflash2_objective import DFlash2Objective
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
 
@@ -228,11 +226,7 @@ def claim_run_dir(cfg: Config, rank: int) -> Path | None:
 
 def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
     d = cfg.drafter
-    cls = DFlashObjective
-    variant: dict[str, Any] = {}
-    if drafter.config.is_dflash2:  # + its selector's loss (train/dflash2_objective.py)
-        cls, variant = DFlash2Objective, {"selector_weight": d.selector_weight}
-    return cls(
+    return DFlashObjective(
         d.block_size,
         d.num_anchors,
         d.gamma,
@@ -246,7 +240,7 @@ def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
         loss_slots=d.loss_slots,
         hidden_weight=d.hidden_weight,
         label_source=d.label_source,
-        **variant,
+        extra_terms=drafter.config.spec.objective_terms(d, drafter.config),
     )
 
 

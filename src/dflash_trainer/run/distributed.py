@@ -10,9 +10,9 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 from dflash_trainer.data.prepare import prepare_data
+from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.pipeline.distributed import (
     DistContext,
@@ -45,7 +45,7 @@ def _prepare_data_rank0_first(cfg, ctx: DistContext, target) -> dict:
                 raise PeerFailure(peer)
             time.sleep(0.5)
         local = copy.deepcopy(cfg)
-        local.run_dir = str(Path(cfg.run_dir) / "ranks" / str(ctx.rank))
+        local.run_dir = str(RunLayout.of(cfg.run_dir).rank(ctx.rank))
         train_set, heldout = prepare_data(local, target.tokenizer, target)
     return {"target": target, "train_set": train_set, "heldout": heldout}
 

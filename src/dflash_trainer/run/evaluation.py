@@ -32,6 +32,7 @@ from dflash_trainer.eval.engines import EvalRun, ProjectLoop, comparison_engine
 from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.files import replace_dir
+from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.export import export_drafter, export_dtype, load_drafter
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.precision import dtype_label
@@ -273,7 +274,7 @@ class PeriodicEval:
             (tmp / "eval.json").write_text(
                 json.dumps({"step": step, "tau": tau, "prompt_set": VALIDATION})
             )
-            replace_dir(tmp, self.run_dir / "best")
+            replace_dir(tmp, RunLayout.of(self.run_dir).best)
             rec["eval/best_tau"] = self.best
         return rec
 

@@ -28,13 +28,11 @@ from pathlib import Path
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
+from dflash_trainer.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
 MODES = ("new", "resume", "overwrite")
-# What makes a directory hold a run (logs, held-out prompt files and the W&B/TensorBoard
-# folders come with these and are moved with them, but alone they are no run).
-RUN_FILES = ("metrics.jsonl", "ledger.jsonl", "export", "best")
 
 
 class RunDirInUse(UserError):
@@ -58,10 +56,11 @@ def earlier_run(run_dir) -> list[str]:
         )
     elif (ckpt.ckpt_root(d) / "latest").exists():
         found.append("checkpoints/latest")
-    for name in RUN_FILES:
-        p = d / name
+    # logs, held-out prompt files and the W&B/TensorBoard folders come with a run and are moved
+    # with it, but alone they are no run
+    for p in RunLayout(d).run_files:
         if p.exists() and not (p.is_file() and p.stat().st_size == 0):
-            found.append(name + ("/" if p.is_dir() else ""))
+            found.append(p.name + ("/" if p.is_dir() else ""))
     return found
 
 

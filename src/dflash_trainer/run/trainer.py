@@ -26,6 +26,7 @@ from dflash_trainer.checkpoint import (
 )
 from dflash_trainer.config import Config
 from dflash_trainer.eval.served import parity_gate
+from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.export import (
     export_drafter,
     export_dtype,
@@ -133,10 +134,10 @@ class TrainResult:
     steady_tok_s: float = 0.0
 
 
-def setup_run_logging(run_dir: Path, name: str = "train.log") -> logging.Handler:
-    """Full tracebacks go to {run_dir}/train.log; the console gets one-line messages."""
+def setup_run_logging(run_dir: Path, rank: int = 0) -> logging.Handler:
+    """Full tracebacks go to the run's log (layout.py); the console gets one-line messages."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    h = logging.FileHandler(run_dir / name, encoding="utf-8")
+    h = logging.FileHandler(RunLayout(run_dir).log(rank), encoding="utf-8")
     h.setLevel(logging.DEBUG)
     h.setFormatter(
         logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: %(message)s")
@@ -481,7 +482,9 @@ class Trainer:
         record = training_record(self.parts.config_dict, step=self.loop.state.step)
         dtype = export_dtype(self.cfg.checkpoint.export_dtype)
         # export_drafter replaces the directory atomically itself
-        return export_drafter(self.parts.drafter, self.run_dir / "export", dtype, training=record)
+        return export_drafter(
+            self.parts.drafter, RunLayout(self.run_dir).export, dtype, training=record
+        )
 
     def run(self) -> TrainResult:
         merged: dict = {}

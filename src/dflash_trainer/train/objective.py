@@ -77,7 +77,10 @@ class DFlashObjective:
         loss_slots: int = 0,
         hidden_weight: float = 0.0,
         label_source: str = "text",
+        extra_terms=None,
     ):
+        """`extra_terms`: a variant's loss terms beside the block loss (models/variants/base.py
+        ObjectiveTerms), or None."""
         if block_size < 2:
             raise ValueError("block_size must be >= 2")
         if not 0.0 < dpace_alpha <= 1.0:
@@ -113,7 +116,9 @@ class DFlashObjective:
             + ["accept_len", "num_blocks", "num_label_tokens"]
             + (["ce", "kd"] if self.kd_weight > 0 else [])
             + (["hidden"] if self.hidden_weight > 0 else [])
+            + (list(extra_terms.metric_names) if extra_terms is not None else [])
         )
+        self.extra_terms = extra_terms
 
     @property
     def needs_target_hidden(self) -> bool:
@@ -213,7 +218,7 @@ class DFlashObjective:
         bs, N = self.block_size, self.num_anchors
         anchors, block_valid = self.sample_anchors(loss_mask, generator)
         if self.feature_noise > 0:
-            taps = getattr(drafter, "module", drafter).config.num_features  # DDP wraps it
+            taps = unwrap(drafter).config.num_features
             features = add_feature_noise(features, self.feature_noise, taps, generator)
         block_ids = self.build_blocks(input_ids, anchors, block_valid)
         block_embeds = F.embedding(block_ids.reshape(B, N * bs), embed_weight.detach())
@@ -234,12 +239,18 @@ class DFlashObjective:
             if self.label_source == "target":
                 labels = self.target_labels(labels, teacher, lm_head)
         out = self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid, teacher)
-        return self.add_terms(out, drafter, hidden, lm_head, labels, label_valid)
-
-    def add_terms(self, out: StepOutput, drafter, hidden, lm_head, labels, label_valid):
-        """Hook for a variant's own loss terms and metrics on top of the block loss
-        (train/dflash2_objective.py); the DFlash objective has none."""
-        return out
+        if self.extra_terms is None:
+            return out
+        weights = self.slot_weights(hidden.device)[: self.loss_slots + 1]
+        chunk = self.chunk_blocks or _auto_chunk_blocks(lm_head, B, self.loss_slots)
+        loss, metrics = self.extra_terms(
+            unwrap(drafter), hidden, lm_head, labels, label_valid, weights, chunk
+        )
+        return StepOutput(
+            loss=out.loss + loss,
+            metrics=torch.cat([out.metrics, metrics]),
+            metric_names=list(self.metric_names),
+        )
 
     def teacher_hidden(self, target_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """[B,N,bs-1,H]: for slot k >= 1 of block j, the target's final hidden state at position
@@ -351,6 +362,14 @@ class DFlashObjective:
 #   needs a few thousand rows to stay compute-bound (H200: ~200 FLOP per byte); 2 GiB of fp32
 #   logits is ~3,500 rows at a 152k vocabulary.
 _LOSS_CHUNK_ELEMS = {"cpu": 1 << 25, "cuda": 1 << 29}
+
+
+def unwrap(drafter):
+    """The drafter behind DDP (.module) or torch.compile (._orig_mod)."""
+    for attr in ("module", "_orig_mod"):
+        while hasattr(drafter, attr) and not hasattr(drafter, "config"):
+            drafter = getattr(drafter, attr)
+    return drafter
 
 
 def _auto_chunk_blocks(lm_head, rows: int, slots: int) -> int:
