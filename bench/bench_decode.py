@@ -1,8 +1,8 @@
 """Decode loops against their references, and where a draft-verify cycle's time goes, this CPU.
 
-  draft-verify  ours (`eval/specdecode.spec_generate`) vs the published reference loop
+  draft-verify  ours (decode/loop.py `decode`) vs the published reference loop
                 (`dflash_generate` of the `dflash` package) on the same exported drafter
-  plain greedy  ours (`ar_generate`, the same loop with block 1) vs transformers' `generate`
+  plain greedy  ours (`decode`, the same loop with block 1) vs transformers' `generate`
 
 Kernels: ours run as the product decodes on CPU, with the linear layers on oneDNN's prepacked
 GEMM (target.packed_linear, models/packed_linear.py; --kernels=default for PyTorch's), the
@@ -48,7 +48,6 @@ from dflash_trainer.config_io import load_config
 from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.decode import loop as decode_loop
-from dflash_trainer.eval.specdecode import ar_generate, spec_generate
 from dflash_trainer.models.export import export_drafter, load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
@@ -137,13 +136,15 @@ def _rig(args, ref, tmp: str) -> SimpleNamespace:
     r.prompts = _prompts(target.tokenizer, args.prompts)
 
     def spec(x, verify="full"):
-        t = r.target
-        return spec_generate(
-            r.model, t.layer_ids, t.embed_weight, t.lm_head, r.drafter, x, r.n, r.block,
-            stop_ids=r.stop, verify=verify,
-        )  # fmt: skip
+        return decode_loop.decode(
+            r.target, x.tolist(), r.n, stop_ids=r.stop, drafter=r.drafter, block_size=r.block,
+            verify=verify,
+        )[0]  # fmt: skip
 
-    r.spec = spec
+    def greedy(x):
+        return decode_loop.decode(r.target, x.tolist(), r.n, stop_ids=r.stop)[0]
+
+    r.spec, r.greedy = spec, greedy
     return r
 
 
@@ -174,7 +175,7 @@ def _against_references(r: SimpleNamespace, ref) -> SimpleNamespace:
                 )  # fmt: skip
                 out[k] = res.output_ids[0, x.shape[1] :].tolist()
             elif k == "ar":
-                res, s = _timed(ar_generate, r.model, x, r.n, stop_ids=r.stop)
+                res, s = _timed(r.greedy, x)
                 out[k] = res.tokens
             else:
                 out[k], s = _timed(_hf_greedy, r.base, x, r.n, r.stop)
@@ -194,7 +195,7 @@ def _at_oracle(r: SimpleNamespace, drafts: int) -> dict:
     greedy_s, greedy_n = 0.0, 0
     for i, p in enumerate(r.prompts):
         x = torch.tensor([p])
-        g, s_ar = _timed(ar_generate, r.model, x, r.n, stop_ids=r.stop)
+        g, s_ar = _timed(r.greedy, x)
         greedy_s, greedy_n = greedy_s + s_ar, greedy_n + len(g.tokens)
         saved = decode_loop.draft_block
         decode_loop.draft_block = _oracle(g.tokens, x.shape[1], drafts)

@@ -15,9 +15,10 @@ import functools
 import pytest
 import torch
 
+from decoding import spec_generate
+from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import summarize
-from dflash_trainer.eval.specdecode import GenResult, spec_generate
 from dflash_trainer.eval.tau_sim import TauSim
 from dflash_trainer.models.drafter import convert_variant
 from dflash_trainer.models.export import export_drafter

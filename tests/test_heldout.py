@@ -20,11 +20,11 @@ from dflash_trainer.data.prepare import (
     split_dataset,
 )
 from dflash_trainer.data.sources import load_sources
+from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval import evaluation as ev
 from dflash_trainer.eval import prompts as pr
 from dflash_trainer.eval.metrics import EvalSummary
-from dflash_trainer.eval.specdecode import GenResult
 from dflash_trainer.run import train
 from dflash_trainer.run.evaluation import PeriodicEval, periodic_subset
 from tiny import tiny_config, tiny_dataset, tiny_target

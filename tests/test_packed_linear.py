@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from decoding import ar_generate
 from dflash_trainer.eval.evaluation import evaluate
-from dflash_trainer.eval.specdecode import ar_generate
 from dflash_trainer.models import packed_linear as P
 from tiny import tiny_target
 

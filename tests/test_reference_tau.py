@@ -39,9 +39,9 @@ def test_demo_decodes_mt_bench_and_simulates_every_reported_prompt(tmp_path, tra
     output."""
     import threading
 
+    from decoding import ar_generate
     from dflash_trainer.commands.demo import configure_final_eval, heldout_checks
     from dflash_trainer.data.prepare import REPORT
-    from dflash_trainer.eval.specdecode import ar_generate
     from dflash_trainer.run.evaluation import HeldoutPrompt, PeriodicEval
     from tiny import tiny_config
 

@@ -18,9 +18,9 @@ from dflash_trainer.data import generate as gen
 from dflash_trainer.data.chat import Rendering, build_dataset
 from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.data.sources import Conversation, load_sources
+from dflash_trainer.decode import loop as sd
 from dflash_trainer.errors import DataError, UserError
 from dflash_trainer.eval import evaluation as ev
-from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.run import train
 from tiny import base_tokenizer, tiny_config, tiny_target

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.metrics import summarize
 from dflash_trainer.eval.served import ServedEval, check_parity, parity_problems, served_result
-from dflash_trainer.eval.specdecode import GenResult
 
 
 def test_counters_become_cycles_and_our_clipped_tau():

@@ -11,19 +11,15 @@ import pytest
 import torch
 from torch import nn
 
+from decoding import ar_generate, draw_seed, spec_generate
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.decode import sampler as smp
 from dflash_trainer.decode.draft import AdaptiveVerify
+from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.decode.sampler import Sampler
 from dflash_trainer.eval import prompts as pr
-from dflash_trainer.eval import specdecode as sd
 from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import position_acceptance, summarize
-from dflash_trainer.eval.specdecode import (
-    GenResult,
-    ar_generate,
-    spec_generate,
-)
 from dflash_trainer.models.target import TargetModel
 
 V, H = 128, 64
@@ -373,7 +369,7 @@ def test_sampling_matches_naive_no_cache_loop():
     absolute position t with the key t. Pins the position keys, not just spec/AR agreement."""
     model = tiny_target("qwen3", seed=9)
     ids = torch.tensor([[7, 8, 9, 10, 11]])
-    seed = sd._draw_seed(torch.Generator().manual_seed(4))
+    seed = draw_seed(torch.Generator().manual_seed(4))
     seq = ids
     for _ in range(12):
         with torch.no_grad():

@@ -433,8 +433,9 @@ def _load_into(
 
 # ------------------------------------------------------------------------------- resume
 def contiguous_prefix(consumed) -> int:
-    """Resume point inside an epoch: the batches 0..k-1 are done. With one target worker the
-    drafter consumes in order, so `consumed` is exactly that prefix."""
+    """Resume point inside an epoch: the batches 0..k-1 are done. The drafter trains in the
+    plan's order whatever the number of target workers (pipeline/ordering.py), so `consumed` is
+    exactly that prefix."""
     done = set(consumed or [])
     k = 0
     while k in done:
@@ -442,7 +443,8 @@ def contiguous_prefix(consumed) -> int:
     if len(done) != k:
         raise UserError(
             f"checkpoint position is not a prefix of the epoch (batches {sorted(done)[:8]}"
-            "...); resume with the same pipeline.target_devices it was written with."
+            "...): it was written by a version that trained several target workers' batches in "
+            "arrival order; resume from a checkpoint at an epoch's end, or start anew."
         )
     return k
 

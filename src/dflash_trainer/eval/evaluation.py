@@ -5,7 +5,7 @@ prompt (`evaluate`), multi-turn conversations (`run_conversations`), every `eval
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from dflash_trainer.data.chat import Rendering
+from dflash_trainer.decode.draft import Drafter
+from dflash_trainer.decode.loop import GenResult, decode
+from dflash_trainer.decode.sampler import Sampler
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.dtype import drafter_in, target_in
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.prompts import load_prompt_set, split_by_training, training_ids
-from dflash_trainer.eval.specdecode import Drafter, GenResult, spec_generate
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
@@ -51,6 +53,11 @@ def _eval_mode(*modules: Any):
             m.train(w)
 
 
+def _sampling_seed(seed: int) -> int:
+    """The sampling seed of prompt seed `seed` (drawn from a generator seeded with it)."""
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(seed)))
+
+
 def _unwrap(drafter: Any) -> Any:
     return getattr(drafter, "module", drafter)  # DDP / FSDP wrappers keep the model in .module
 
@@ -67,40 +74,38 @@ def evaluate(
     seed: int = 0,
     baseline: bool = True,
     warmup: bool = True,
-    generate_fn: Callable[..., GenResult] = spec_generate,
     progress: bool = True,
     verify: str = "full",
     packed: bool = True,
 ) -> EvalSummary:
     """Run spec decoding (and the AR baseline) over prompts (token id lists or [1,P] tensors).
 
-    `target` is a TargetModel. The spec and AR run of a prompt share a seed, so in
-    sampling mode they also produce comparable (identical, when lossless) outputs.
+    `target` is a TargetModel, decoded through decode/loop.py `decode` one prompt at a time. The
+    spec and AR run of a prompt share a seed, so in sampling mode they also produce comparable
+    (identical, when lossless) outputs.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
-    `verify`: the drafter runs' verify policy (spec_generate; "full" = the published loop).
+    `verify`: the drafter runs' verify policy ("full" = the published loop; decode).
     `packed`: float32 CPU linear layers of target and drafter run oneDNN's prepacked GEMM
     (models/packed_linear.py; target.packed_linear), for the spec and the AR runs alike.
     """
     drafter = _unwrap(drafter)
-    how = {} if verify == "full" else {"verify": verify}  # custom generate_fns need not know it
     device = _target_device(target)
     stop = list(target.eos_token_ids if stop_ids is None else stop_ids)
-    args = (target.model, target.layer_ids, target.embed_weight, target.lm_head)
+    sampler = Sampler(temperature, top_p)
 
     def run(ids: torch.Tensor, n: int, seed: int, spec: bool) -> GenResult:
         """One prompt decoded: with the drafter (`spec`) or plainly (block 1, no drafter)."""
-        return generate_fn(
-            *args,
-            drafter if spec else None,
-            ids,
+        return decode(
+            target,
+            ids.tolist(),
             n,
-            block_size if spec else 1,
-            temperature,
-            top_p,
-            stop,
-            torch.Generator().manual_seed(seed),
-            **(how if spec else {}),
-        )
+            sampler,
+            seeds=[_sampling_seed(seed) if temperature > 0 else 0],
+            stop_ids=stop,
+            drafter=drafter if spec else None,
+            block_size=block_size if spec else 1,
+            verify=verify if spec else "full",
+        )[0]
 
     spec, ar = [], []
     with (

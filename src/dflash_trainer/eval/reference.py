@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.metrics import EvalSummary, summarize
-from dflash_trainer.eval.specdecode import GenResult
 from dflash_trainer.models import variants
 from dflash_trainer.observe.progress import showing_progress
 

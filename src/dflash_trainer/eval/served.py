@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.evaluation import divergence_gap, evaluate
 from dflash_trainer.eval.metrics import EvalSummary, summarize
-from dflash_trainer.eval.specdecode import GenResult
 from dflash_trainer.models.vllm_engine import (  # noqa: F401  (re-exported for callers and tests)
     VLLMEngine,
     engine_for_config,

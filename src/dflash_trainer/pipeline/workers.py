@@ -19,6 +19,7 @@ from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.observe.profile import StepMeter
 from dflash_trainer.pipeline.cores import CoreShare, DrafterTeam
 from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkItem
+from dflash_trainer.pipeline.ordering import InOrder
 from dflash_trainer.pipeline.protocols import DrafterStepFn, StepHooks, TargetStepFn
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.stage import Stage
@@ -209,7 +210,9 @@ class StepLoop:
 
 
 class DrafterWorker(Stage):
-    """hs_q -> StepLoop. Ends after an End from every target worker (or at max_steps)."""
+    """hs_q -> StepLoop, in the plan's order (pipeline/ordering.py) from `start` = (epoch,
+    seq_no), the prefetcher's start. Ends after an End from every target worker (or at
+    max_steps)."""
 
     role = "drafter"
 
@@ -225,22 +228,43 @@ class DrafterWorker(Stage):
         hs_q: BoundedQueue,
         num_producers: int,
         done: threading.Event,
+        start: tuple[int, int] = (0, 0),
     ):
         super().__init__(name, events=events, stop=stop, threads=threads, faults=faults)
         self.step_loop, self.hs_q, self.num_producers = step_loop, hs_q, num_producers
         self.done = done
+        self.order = InOrder(*start)
+        self._due: list[HiddenBatch] = []  # released by an EpochEnd, trained next
 
     def on_epoch_end(self, item: EpochEnd) -> None:
         log.info("drafter: epoch %d: all %d batches handed over", item.epoch, item.num_batches)
+        self._due += self.order.epoch_end(item.epoch, item.num_batches)
 
     def loop(self) -> None:
-        c = self.counters
         for item in self.items(self.hs_q, ends=self.num_producers):
+            self._due += self.order.add(item)
+            self.counters.gauges["held"] = float(len(self.order.held))
+            if not self._train_due():
+                break
+        else:
+            self._train_due()
+            if self.order.held:
+                raise RuntimeError(
+                    f"the target workers ended with batches {sorted(self.order.held)[:4]} held "
+                    f"for order, batch {self.order.next} never arrived"
+                )
+        self.done.set()
+
+    def _train_due(self) -> bool:
+        """Train the batches due; False when the step loop is done (max_steps, budget)."""
+        c = self.counters
+        while self._due:
+            item = self._due.pop(0)
             with self.guard("drafter", item.input_ids.shape, c.steps):
                 more = self.step_loop.consume(item, c)
             if not more:
-                break
-        self.done.set()
+                return False
+        return True
 
 
 class SequentialWorker(Stage):

@@ -149,8 +149,12 @@ def build_drafter(cfg: Config, target, device) -> DFlashDrafter:
 
 
 def replicate_target(cfg: Config, first) -> list:
-    """One target per `pipeline.target_devices` entry; `first` serves the first device."""
-    return [first] + [TargetModel.load(cfg.target, dev) for dev in cfg.pipeline.target_devices[1:]]
+    """One target per `pipeline.target_devices` entry; `first` serves the first device and every
+    entry on that same device (the workers take turns on it: one copy of the weights)."""
+    return [first] + [
+        first if torch.device(dev) == first.device else TargetModel.load(cfg.target, dev)
+        for dev in cfg.pipeline.target_devices[1:]
+    ]
 
 
 def require_sources(cfg: Config) -> None:

@@ -263,7 +263,7 @@ class Trainer:
 
     def _build_prefetcher(self, work_q: BoundedQueue, faults: FaultInjector) -> BatchPrefetcher:
         """From this rank's training position (a resume continues inside its epoch)."""
-        cfg, parts, state = self.cfg, self.parts, self.parts.state
+        cfg, parts = self.cfg, self.parts
         return BatchPrefetcher(
             parts.train_set,
             cfg.batching,
@@ -274,10 +274,15 @@ class Trainer:
             rank=self.rank,
             world_size=parts.world_size,
             pin_memory=any(d.startswith("cuda") for d in cfg.pipeline.target_devices),
-            start=(state.epoch, contiguous_prefix(state.consumed)),
+            start=self.start_position(),
             skip_samples=parts.resume.epoch_skip if parts.resume is not None else None,
             faults=faults,
         )
+
+    def start_position(self) -> tuple[int, int]:
+        """(epoch, seq_no) of this rank's first batch: a resume continues inside its epoch."""
+        state = self.parts.state
+        return state.epoch, contiguous_prefix(state.consumed)
 
     def _build_stages(self, captured=None) -> None:
         """The prefetcher, then target + drafter workers (pipelined) or one sequential worker."""
@@ -322,7 +327,7 @@ class Trainer:
         for i, tgt in enumerate(targets):
             step_fn = (
                 target_step
-                if tgt is first
+                if i == 0
                 else TargetStep(tgt, parts.drafter_device, parts.feature_dtype, kd, self.cache)
             )
             check_taps(cfg, step_fn, f"target{i}")
@@ -348,6 +353,7 @@ class Trainer:
                 hs_q=hs_q,
                 num_producers=len(targets),
                 done=self.done,
+                start=self.start_position(),
                 **common,
             )
         )
