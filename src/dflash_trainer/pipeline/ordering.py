@@ -36,7 +36,7 @@ class InOrder:
         return self._due()
 
     def _due(self) -> list[HiddenBatch]:
-        out = []
+        out: list[HiddenBatch] = []
         while True:
             epoch, k = self.next
             if k >= self.sizes.get(epoch, k + 1):
