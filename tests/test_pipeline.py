@@ -189,12 +189,15 @@ def test_steady_rate_counts_from_the_first_step_to_the_last():
     assert r.rate() == 100.0
 
 
-@pytest.mark.parametrize("stage", ["target", "drafter"])
-def test_out_of_memory_names_batch_shape_and_setting(tmp_path, stage):
+@pytest.mark.parametrize(
+    "stage,knob",
+    # the drafter's step grows with rows x anchors: for short rows the row cap shrinks a batch
+    [("target", r"batching\.max_tokens"), ("drafter", r"batching\.max_batch_size \(rows")],
+)
+def test_out_of_memory_names_batch_shape_and_setting(tmp_path, stage, knob):
     with pytest.raises(
         StageError,
-        match=rf"out of memory in the {stage} step on a batch of "
-        rf"\d+ x \d+ tokens; lower batching\.max_tokens",
+        match=rf"out of memory in the {stage} step on a batch of \d+ x \d+ tokens; lower {knob}",
     ):
         _run(tmp_path, **{"pipeline.fault": f"{stage}:2:oom"})
 
@@ -269,3 +272,21 @@ def test_trainer_leaves_no_reference_cycle(tmp_path):
         assert ref() is None and drafter() is None
     finally:
         gc.enable()
+
+
+def test_the_target_step_keeps_one_causal_mask_whatever_the_lengths():
+    """Long contexts: one mask of the longest length seen, shorter lengths slice it; each slice
+    is the causal mask of its length and the taps through it equal the unmasked causal ones."""
+    from dflash_trainer.pipeline.steps import TargetStep
+
+    target = tiny_target()
+    step = TargetStep(target, torch.device("cpu"), torch.float32)
+    assert target.takes_4d_mask
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 130, 9, 64, 33, 131):
+        mask = step._causal_mask(n)
+        want = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)
+        torch.testing.assert_close(mask[0, 0], want, rtol=0, atol=0)
+        ids = torch.randint(1, 100, (2, n), generator=g)
+        torch.testing.assert_close(target.features(ids, mask), target.features(ids, None))
+    assert step._mask is not None and step._mask.shape[-1] == 192  # 131 rounded up to 64

@@ -50,24 +50,25 @@ class TargetStep:
         self.drafter_device = torch.device(drafter_device)
         self.feature_dtype = feature_dtype
         self.stream = torch.cuda.Stream(self.device) if _is_cuda(self.device) else None
-        self._masks: dict[int, torch.Tensor] = {}
+        self._mask: torch.Tensor | None = None  # the longest length's; shorter ones slice it
         self.timer = StepTimer(self.device)
 
     def _causal_mask(self, seq_len: int) -> torch.Tensor | None:
-        """[1, 1, S, S] additive causal mask (0 / dtype min), cached per length. Additive, not
-        boolean, so eager and SDPA attention read it the same way. None for flash / flex
-        attention (target.attn_implementation): they are causal without a mask and fail on
-        a tensor one."""
+        """[1, 1, S, S] additive causal mask (0 / dtype min). Additive, not boolean, so eager
+        and SDPA attention read it the same way. One mask is kept, of the longest length seen
+        (rounded up to 64), and shorter lengths get its top-left view: the upper-left S x S of
+        a causal mask is the causal mask of S, and memory stays that of one mask however many
+        lengths the batches have (a mask per length would reach GiBs at 8K tokens). None for
+        flash / flex attention (target.attn_implementation): they are causal without a mask
+        and fail on a tensor one."""
         if not self.target.takes_4d_mask:
             return None
-        m = self._masks.get(seq_len)
-        if m is None:
-            dtype = self.target.dtype
-            m = torch.full(
-                (seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=self.device
-            ).triu(1)[None, None]
-            self._masks[seq_len] = m
-        return m
+        m = self._mask
+        if m is None or m.shape[-1] < seq_len:
+            n, dtype = -(-seq_len // 64) * 64, self.target.dtype
+            m = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=self.device)
+            self._mask = m = m.triu(1)[None, None]
+        return m[..., :seq_len, :seq_len]
 
     def check(self) -> float:
         """The target's tap integrity check through this step's own capture path (the cached
