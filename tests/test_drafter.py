@@ -239,3 +239,25 @@ def test_cache_growth_equals_concatenation():
     cache.crop(10)
     assert cache.length == 10
     torch.testing.assert_close(cache.values[0], torch.cat(vs, 2)[:, :, :10], rtol=0, atol=0)
+
+
+def test_mask_token_auto_takes_a_reserved_special_token_where_no_row_is_padded():
+    class Tok(list):
+        def get_added_vocab(self):
+            return {"<|begin_of_text|>": 120, "<|reserved_special_token_1|>": 125,
+                    "<|reserved_special_token_0|>": 122}  # fmt: skip
+
+    t = SimpleNamespace(vocab_size=128, tokenizer=Tok(range(128)))
+    assert resolve_mask_token_id(-1, t) == 122
+
+
+def test_a_mask_token_the_training_text_holds_is_refused(tmp_path):
+    from dflash_trainer.errors import UserError
+    from dflash_trainer.run import train
+    from tiny import tiny_config, tiny_dataset, tiny_target
+
+    data = tiny_dataset()  # tokens >= 3; put id 1 into one answer
+    data.input_ids[5][-3] = 1
+    cfg = tiny_config(tmp_path, **{"drafter.mask_token_id": 1})
+    with pytest.raises(UserError, match=r"MASK token id 1 occurs in the training text \(sample"):
+        train(cfg, target=tiny_target(), train_set=data)

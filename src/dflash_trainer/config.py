@@ -219,7 +219,11 @@ class DrafterConfig:
         16, "tokens per draft block (slot 0 = anchor/bonus token)", unit="tokens", min=2, max=64
     )
     num_anchors: int = _f(512, "anchors (blocks) sampled per sequence per step", min=1)
-    mask_token_id: int = _f(-1, "MASK token id; -1 = auto (first padded embedding row, else 0)")
+    mask_token_id: int = _f(
+        -1,
+        "MASK token id; -1 = auto (the first padded embedding row, else the tokenizer's first "
+        "reserved special token, else 0); an id the training text holds is refused",
+    )
     gamma: float = _f(
         0.0, "loss decay: weight exp(-(k-1)/gamma); 0 = paper value for block_size", min=0.0
     )

@@ -161,7 +161,9 @@ def drafter_rope(drafter_cfg, target) -> dict[str, Any]:
 
 
 def resolve_mask_token_id(configured: int, target) -> int:
-    """-1 = auto: the first padded embedding row (len(tokenizer) < vocab_size), else 0."""
+    """-1 = auto: the first padded embedding row (len(tokenizer) < vocab_size), else the
+    tokenizer's first reserved special token (Llama 3's <|reserved_special_token_0|>: what
+    published drafters use), else 0. run/build.py refuses an id the training text holds."""
     vocab = int(target.vocab_size)
     if configured >= 0:
         if configured >= vocab:
@@ -172,7 +174,11 @@ def resolve_mask_token_id(configured: int, target) -> int:
         return int(configured)
     tok = getattr(target, "tokenizer", None)
     n = len(tok) if tok is not None else vocab
-    return n if n < vocab else 0
+    if n < vocab:
+        return n
+    added = getattr(tok, "get_added_vocab", None)
+    reserved = sorted(i for t, i in (added() if added else {}).items() if "reserved" in t)
+    return reserved[0] if reserved and reserved[0] < vocab else 0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dflash_trainer import checkpoint as ckpt
@@ -248,6 +249,33 @@ def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
     )
 
 
+def check_mask_token(cfg: Config, train_set, mask_id: int, target) -> None:
+    """The MASK token must never occur in the training text: a drafter could not tell a masked
+    slot from that token. Refused, naming the id and where it occurs (a published drafter's own
+    mask, with drafter.init_from, is only warned about: it cannot be changed)."""
+    found = next(
+        ((i, int(np.count_nonzero(x == mask_id))) for i, x in enumerate(train_set.input_ids)
+         if np.any(x == mask_id)),
+        None,
+    )  # fmt: skip
+    if found is None:
+        return
+    convert = getattr(getattr(target, "tokenizer", None), "convert_ids_to_tokens", None)
+    name = convert(mask_id) if convert is not None else None
+    what = (
+        f"the MASK token id {mask_id}{f' ({name!r})' if name else ''} occurs in the training text "
+        f"(sample {train_set.ids[found[0]]}, {found[1]} times there): the drafter could not tell "
+        "a masked slot from it"
+    )
+    if cfg.drafter.init_from:
+        log.warning("%s; it is the mask of drafter.init_from's drafter, kept", what)
+        return
+    raise UserError(
+        f"{what}. Set --drafter.mask_token_id to an id the text never holds (a reserved special "
+        "token), or -1 for auto (a padded embedding row, else a reserved special token)."
+    )
+
+
 def time_budget(cfg: Config, plan: ResumePlan | None) -> TimeBudget | None:
     """optim.time_budget_s, less what the resumed checkpoint's run already spent."""
     if cfg.optim.time_budget_s <= 0:
@@ -275,6 +303,7 @@ def build_run(
     target, train_set, heldout = load_inputs(cfg, target, train_set, heldout)
 
     drafter = build_drafter(cfg, target, device)
+    check_mask_token(cfg, train_set, drafter.config.mask_token_id, target)
     model = ddp_wrap(drafter) if ddp_wrap is not None else drafter
     autocast = use_autocast(p.precision, device)
     feature_dtype = torch.bfloat16 if device.type == "cuda" else next(drafter.parameters()).dtype
