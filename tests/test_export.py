@@ -186,3 +186,13 @@ def test_export_dtype_names_and_the_last_layer_tap_warning(tmp_path, caplog):
         export_drafter(m, tmp_path / "d", torch.bfloat16)
     assert "sglang#32204" in caplog.text
     assert json.loads((tmp_path / "d" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_an_export_for_a_target_no_engine_serves_says_so():
+    from dflash_trainer.models.export import serving_note
+
+    note = serving_note(["Gemma3ForCausalLM"])
+    assert note is not None and "Gemma3ForCausalLM" in note and "no engine serves it" in note
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM"):
+        assert serving_note([arch]) is None
+    assert serving_note(None) is None  # a config that names no class: nothing claimed

@@ -159,6 +159,33 @@ def _engine_model(t: dict, model, embedded: bool, local: bool) -> str | None:
     return str(Path(model).resolve()) if local else str(model)
 
 
+# The target classes vLLM serves a DFlash drafter beside: its models that hand auxiliary hidden
+# states to a drafter (read in vLLM 0.32.0's model_executor/models, the CPU build the project
+# runs; SGLang 0.5.23's DFLASH targets are a subset). Gemma 3 and its kin are not among them.
+VLLM_DFLASH_TARGETS = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "GptOssForCausalLM",
+    }
+)
+
+
+def serving_note(architectures: list[str] | None) -> str | None:
+    """A warning for an export whose target no serving engine runs DFlash beside, else None."""
+    if not architectures or any(a in VLLM_DFLASH_TARGETS for a in architectures):
+        return None
+    return (
+        f"the target ({', '.join(architectures)}) is not one vLLM serves a DFlash drafter for "
+        f"({', '.join(sorted(VLLM_DFLASH_TARGETS))}; docs/guides/families.md): this export is "
+        "evaluated here and by the reference package, but no engine serves it"
+    )
+
+
 def training_record(config: dict, *, step: int | None = None, source: str | None = None) -> dict:
     """training.json content: which target the drafter belongs to and how it was trained.
     `config` is the resolved training config (config.to_dict); `source` the checkpoint."""

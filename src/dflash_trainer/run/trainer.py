@@ -30,6 +30,7 @@ from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.export import (
     export_drafter,
     export_dtype,
+    serving_note,
     training_record,
 )
 from dflash_trainer.observe.balance import assess as assess_balance
@@ -486,6 +487,9 @@ class Trainer:
         if self.rank != 0:
             return None
         record = training_record(self.parts.config_dict, step=self.loop.state.step)
+        note = serving_note(getattr(self.parts.target.model.config, "architectures", None))
+        if note:
+            log.warning("export: %s", note)
         dtype = export_dtype(self.cfg.checkpoint.export_dtype)
         # export_drafter replaces the directory atomically itself
         return export_drafter(
