@@ -91,22 +91,29 @@ def comparison_engine(
         raise UserError(f"eval.compare={name} decodes the export, and this run wrote none.")
     stop = list(target.eos_token_ids)
     if name == "reference":
+        if cfg.eval.temperature > 0:
+            raise UserError(
+                "eval.compare=reference: the reference loop (dflash_generate) decodes greedily; "
+                "compare it at --eval.temperature=0 (vLLM compares at any temperature)."
+            )
         return ReferenceLoop(export_dir, target.model, stop, progress=cfg.metrics.console)
-    if cfg.eval.temperature > 0:
-        raise UserError(
-            "eval.engine=vllm compares greedy decoding token by token; set --eval.temperature=0."
-        )
     engine, why = engine_for_config(cfg, dtype, required="vLLM is needed here but cannot run")
     if engine is None:
         raise UserError(f"eval.compare=vllm: {why}")
-    return ServedLoop(engine, export_dir, stop)
+    # at temperature > 0 the acceptance compares (the same rule: tests/test_engine_rule.py),
+    # the sampled tokens do not
+    return ServedLoop(
+        engine, export_dir, stop, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p
+    )
 
 
 def compared_engines(cfg: Any) -> list[str]:
-    """eval.compare, with eval.engine=vllm's comparisons (reference loop and vLLM) added."""
+    """eval.compare, with eval.engine=vllm's comparisons (reference loop and vLLM; at
+    temperature > 0 vLLM only: the reference loop is greedy) added."""
     names = list(cfg.eval.compare)
     if cfg.eval.engine == "vllm":
-        names += [n for n in ("reference", "vllm") if n not in names]
+        adds = ("reference", "vllm") if cfg.eval.temperature <= 0 else ("vllm",)
+        names += [n for n in adds if n not in names]
     return names
 
 

@@ -116,10 +116,17 @@ def served_evaluate(
     block_size: int,
     stop_ids: Sequence[int] = (),
     baseline: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> ServedEval:
-    """The export served as vLLM's DFlash drafter on `prompts` (greedy), and vLLM's plain greedy
-    decoding of the same prompts (`baseline`): the same EvalSummary as evaluate()."""
-    spec = engine.run(prompts, max_new_tokens, drafter_dir, block_size, stop_ids)
+    """The export served as vLLM's DFlash drafter on `prompts`, and vLLM's plain greedy
+    decoding of the same prompts (`baseline`): the same EvalSummary as evaluate(). At
+    `temperature` > 0 vLLM samples (its own seed: one sample per prompt) and accepts the drafts
+    by its rejection rule, which our loop's rule equals in law (tests/test_engine_rule.py): the
+    acceptance compares, the tokens do not."""
+    spec = engine.run(
+        prompts, max_new_tokens, drafter_dir, block_size, stop_ids, temperature, top_p
+    )
     results = [served_result(r, block_size) for r in spec["results"]]
     ar = None
     wall = spec["wall_s"]
@@ -151,6 +158,8 @@ class ServedLoop:
     export_dir: str | Path
     stop_ids: Sequence[int] = ()
     baseline: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
     name: str = "vllm"
     same_clock: bool = False  # vLLM's clock: its speedup is against its own plain greedy
     last: ServedEval | None = None
@@ -165,7 +174,9 @@ class ServedLoop:
             max_new_tokens,
             block_size,
             self.stop_ids,
-            self.baseline,
+            self.baseline and self.temperature <= 0,  # a sampled baseline proves nothing
+            self.temperature,
+            self.top_p,
         )
         return self.last.summary
 
