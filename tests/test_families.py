@@ -76,25 +76,12 @@ def test_a_layer_the_drafter_cannot_compute_is_caught_without_a_named_cause(tmp_
     target = _target("llama")
     with pytest.raises(UserError, match=r"RoPE base 5000 \(the target's layer 2 uses 10000\)"):
         _drafter(tmp_path, target, **{"drafter.rope_theta": 5000})
-    cfg = target.model.config
-    cfg.rope_parameters = {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
-    }
-    llama3 = TargetModel.from_hf(
-        type(target.model)(cfg).eval(), base_tokenizer(), [1, 2]
-    )  # rotary built from the new parameters
     with pytest.raises(UserError, match="RoPE type 'llama3'"):
-        _drafter(tmp_path, llama3)
+        _drafter(tmp_path, _llama3_target())
 
 
-def test_llama3_rope_maps_when_the_drafter_takes_the_targets_form(tmp_path):
-    """drafter.rope = target: the drafter rotates with the target's own Llama 3 scaling, so the
-    copied layers compute the target layers' function (models/rope.py)."""
+def _llama3_target():
+    """The tiny Llama with Llama 3's frequency-scaled RoPE (its rotary built from them)."""
     target = _target("llama")
     cfg = target.model.config
     cfg.rope_parameters = {
@@ -105,7 +92,13 @@ def test_llama3_rope_maps_when_the_drafter_takes_the_targets_form(tmp_path):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16,
     }
-    llama3 = TargetModel.from_hf(type(target.model)(cfg).eval(), base_tokenizer(), [1, 2])
+    return TargetModel.from_hf(type(target.model)(cfg).eval(), base_tokenizer(), [1, 2])
+
+
+def test_llama3_rope_maps_when_the_drafter_takes_the_targets_form(tmp_path):
+    """drafter.rope = target: the drafter rotates with the target's own Llama 3 scaling, so the
+    copied layers compute the target layers' function (models/rope.py)."""
+    llama3 = _llama3_target()
     d = _drafter(tmp_path, llama3, **{"drafter.rope": "target"})
     assert d.config.rope_scaling["rope_type"] == "llama3"
     for i, src in enumerate((2, 3)):

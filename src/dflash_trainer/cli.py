@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trainer.config import ConfigError
+from dflash_trainer.config import Config, ConfigError
 from dflash_trainer.config_io import help_text, list_presets, load_config
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root
@@ -178,7 +178,7 @@ def _setup_console_logging() -> None:
     logging.getLogger("dflash_trainer").setLevel(logging.DEBUG)
 
 
-def _write_traceback(cfg, exc: BaseException) -> Path:
+def _write_traceback(cfg: Config | None, exc: BaseException) -> Path:
     """Full traceback (and a failed stage's own traceback) into the run log, never the console."""
     run_dir = Path(cfg.run_dir) if cfg is not None else None
     if getattr(exc, "keep_out_of_run_dir", False):  # run_dir holds another run's log

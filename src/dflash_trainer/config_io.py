@@ -359,7 +359,7 @@ def _compose(
     return cfg
 
 
-def to_dict(cfg) -> dict:
+def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
@@ -370,7 +370,7 @@ def from_dict(d: dict) -> Config:
     return validate(cfg)
 
 
-def to_toml(cfg) -> str:
+def to_toml(cfg: Config) -> str:
     """Render as TOML (sections as tables), with each field's help as a comment."""
     lines: list[str] = []
     top, sections = [], []

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflash_trainer.config import BatchingConfig
 from dflash_trainer.errors import UserError
 
 
@@ -49,7 +50,7 @@ def _round_up(x, m: int):
     return -(-x // m) * m
 
 
-def bucket_edges(lengths, cfg) -> np.ndarray:
+def bucket_edges(lengths, cfg: BatchingConfig) -> np.ndarray:
     """Upper-exclusive bucket boundaries: bucket(l) = searchsorted(edges, l, side='right')."""
     lengths = np.asarray(lengths, dtype=np.int64)
     k = int(cfg.num_buckets)
@@ -68,7 +69,7 @@ def assign_buckets(lengths, edges) -> np.ndarray:
     return np.searchsorted(edges, np.asarray(lengths, dtype=np.int64), side="right")
 
 
-def _cut(order: np.ndarray, lengths: np.ndarray, cfg) -> list[list[int]]:
+def _cut(order: np.ndarray, lengths: np.ndarray, cfg: BatchingConfig) -> list[list[int]]:
     """Greedy token-budget batches over `order` (already arranged; ascending within windows)."""
     batches: list[list[int]] = []
     cur: list[int] = []
@@ -90,7 +91,9 @@ def _cut(order: np.ndarray, lengths: np.ndarray, cfg) -> list[list[int]]:
     return batches
 
 
-def plan_epoch_detailed(lengths, cfg, epoch: int, rank: int = 0, world_size: int = 1) -> EpochPlan:
+def plan_epoch_detailed(
+    lengths, cfg: BatchingConfig, epoch: int, rank: int = 0, world_size: int = 1
+) -> EpochPlan:
     lengths = np.asarray(lengths, dtype=np.int64)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
@@ -147,7 +150,9 @@ def plan_epoch_detailed(lengths, cfg, epoch: int, rank: int = 0, world_size: int
     )
 
 
-def plan_epoch(lengths, cfg, epoch: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+def plan_epoch(
+    lengths, cfg: BatchingConfig, epoch: int, rank: int = 0, world_size: int = 1
+) -> list[list[int]]:
     """This rank's batches (lists of dataset indices) for `epoch`; see the module docstring."""
     return plan_epoch_detailed(lengths, cfg, epoch, rank, world_size).batches
 

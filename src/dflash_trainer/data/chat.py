@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import atomic_file, cache_root
 from dflash_trainer.observe.progress import showing_progress
@@ -107,7 +108,7 @@ class Rendering:
     enable_thinking: bool = False
 
     @classmethod
-    def from_config(cls, cfg) -> Rendering:
+    def from_config(cls, cfg: Config) -> Rendering:
         return cls(
             cfg.data.format, read_chat_template(cfg.data.chat_template), cfg.target.enable_thinking
         )

@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.config import Config
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.chat import Rendering, prompt_messages, render_text
 from dflash_trainer.data.sources import load_sources
@@ -365,7 +366,7 @@ def _timed(stats: dict, t0: float) -> dict:
 # ------------------------------------------------------------------------------------------ entries
 
 
-def load_prompts(spec: str, cfg) -> list:
+def load_prompts(spec: str, cfg: Config) -> list:
     """Prompts to answer: 'embedded' (MT-Bench + HumanEval) or a file of data.format records,
     read by data/sources.py like any training source (records without a response too)."""
     if spec == "embedded":
@@ -389,7 +390,7 @@ def print_summary(stats: dict) -> None:
     )
 
 
-def embedded_responses_path(cfg) -> Path:
+def embedded_responses_path(cfg: Config) -> Path:
     """Cache path of the embedded data set for this target and these generation settings."""
 
     key = {
@@ -411,7 +412,7 @@ def settings_digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def ensure_embedded_responses(cfg, target=None, capture=None) -> Path:
+def ensure_embedded_responses(cfg: Config, target=None, capture=None) -> Path:
     """MT-Bench + HumanEval prompts answered by the target, cached (and resumed) by settings.
 
     Returns the JSONL path. The target is loaded only when some responses are missing; pass an
@@ -445,7 +446,7 @@ def ensure_embedded_responses(cfg, target=None, capture=None) -> Path:
 AUTO_VLLM_MIN_BUDGET = 2048
 
 
-def choose_engine(cfg, choice: str, budget: int) -> tuple[str, VLLMEngine | None]:
+def choose_engine(cfg: Config, choice: str, budget: int) -> tuple[str, VLLMEngine | None]:
     """("hf" | "vllm", the vLLM engine). auto = vLLM where it is installed, the target is not
     decoded in float32 and `budget` (prompts x max_new_tokens) >= AUTO_VLLM_MIN_BUDGET, else the
     project's loop."""
@@ -463,7 +464,7 @@ def choose_engine(cfg, choice: str, budget: int) -> tuple[str, VLLMEngine | None
     return "vllm", eng
 
 
-def gen_settings(cfg) -> dict:
+def gen_settings(cfg: Config) -> dict:
     """The [generate] settings that decide the answers (the embedded data set's cache key)."""
     g = cfg.generate
     return {
@@ -474,7 +475,7 @@ def gen_settings(cfg) -> dict:
     }
 
 
-def generate_with(cfg, target, prompts, out, capture=None) -> dict:
+def generate_with(cfg: Config, target, prompts, out, capture=None) -> dict:
     """generate_responses with cfg's [generate] settings, on the engine that
     generate.engine (hf | vllm | auto: choose_engine) picks for this job; under auto, a target
     vLLM cannot serve falls back to the project's loop (vLLM wrote nothing). `capture`: the

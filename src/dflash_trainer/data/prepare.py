@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_trainer.config import Config
 from dflash_trainer.data.chat import Rendering, build_dataset, prompt_messages, render_text
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
@@ -47,7 +48,7 @@ VALIDATION, REPORT = "validation", "report"
 TARGET_WRITTEN = {"embedded": ensure_embedded_responses, "synth": ensure_synth_responses}
 
 
-def resolve_sources(cfg, target=None, capture=None) -> list[str]:
+def resolve_sources(cfg: Config, target=None, capture=None) -> list[str]:
     """Replace `embedded[@W]` and `synth[@W]` by the cached JSONL of the target's answers."""
     out = []
     for spec in cfg.data.sources:
@@ -140,7 +141,7 @@ def split_roles(ids: list[str], sources: list[str], eval_cfg, seed: int) -> list
     return [VALIDATION if i in val else REPORT for i in ids]
 
 
-def prepare_data(cfg, tokenizer, target=None, capture=None):
+def prepare_data(cfg: Config, tokenizer, target=None, capture=None):
     rendering = Rendering.from_config(cfg)  # a bad data.chat_template stops before generation
     sources = resolve_sources(cfg, target, capture)
     written = {
@@ -166,7 +167,7 @@ def prepare_data(cfg, tokenizer, target=None, capture=None):
     )
     run_dir = Path(cfg.run_dir)
     write_split_files(run_dir, convs, train, heldout, cfg.data.format)
-    counts = defaultdict(lambda: [0, 0])
+    counts: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
     for s, r in zip(heldout.sources, heldout.roles):
         counts[s][r == VALIDATION] += 1
     log.info(

@@ -39,6 +39,7 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 
+from dflash_trainer.config import Config
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import (
     choose_engine,
@@ -157,7 +158,7 @@ def user_text(messages: list[dict]) -> str:
     return "\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "user")
 
 
-def excluded_prompts(cfg) -> NearDuplicates:
+def excluded_prompts(cfg: Config) -> NearDuplicates:
     """Every prompt of `synth.exclude` ('embedded', heldout.jsonl, ...), indexed for lookups."""
     index = NearDuplicates(cfg.synth.near_duplicate, containment=True)
     for spec in cfg.synth.exclude:
@@ -246,7 +247,7 @@ class _Screen:
     """The filters, the held-out exclusion and the deduplication, in that order, over sampled
     user turns; the kept ones become prompt records."""
 
-    def __init__(self, cfg, prov: dict):
+    def __init__(self, cfg: Config, prov: dict):
         self.s, self.prov = cfg.synth, prov
         self.banned = excluded_prompts(cfg)
         self.kept = NearDuplicates(cfg.synth.near_duplicate)
@@ -275,7 +276,7 @@ class _Screen:
         return True
 
 
-def synth_provenance(cfg, engine: str, dtype: str) -> dict:
+def synth_provenance(cfg: Config, engine: str, dtype: str) -> dict:
     """What made a synthesised prompt (each record's `provenance`, minus its round and hint); a
     prompt file is reused only when this matches."""
     s = cfg.synth
@@ -307,7 +308,7 @@ def _reusable(path: Path, prov: dict, count: int) -> list[dict] | None:
     return recs[:count] if same and len(recs) >= count else None
 
 
-def synthesize_prompts(cfg, target, out_path, engine_choice: str = "auto") -> dict:
+def synthesize_prompts(cfg: Config, target, out_path, engine_choice: str = "auto") -> dict:
     """Write `cfg.synth.prompts` synthesised prompt records to `out_path` (JSONL; module
     docstring) and return counts: kept, candidates, rejected per reason, rounds, seconds.
 
@@ -382,7 +383,7 @@ def as_prompts(path) -> list[Conversation]:
     return out
 
 
-def synth_cache_paths(cfg) -> tuple[Path, Path]:
+def synth_cache_paths(cfg: Config) -> tuple[Path, Path]:
     """(prompts, answers) of the `synth` data source in the cache, each named by every setting
     that makes it: greedy and sampled answers (synth.answer_*) share one prompts file."""
     s, g = cfg.synth, cfg.generate
@@ -403,7 +404,7 @@ def answer_sampling(s) -> tuple[float, float]:
     return s.answer_temperature, (s.answer_top_p if s.answer_temperature > 0 else 1.0)
 
 
-def ensure_synth_responses(cfg, target=None, capture=None) -> Path:
+def ensure_synth_responses(cfg: Config, target=None, capture=None) -> Path:
     """The `synth` data source: synth.prompts prompts the target writes (synthesize_prompts),
     answered by the target with [generate]'s length, batch and engine and synth.answer_*'s
     sampling; both cached and resumed by settings (synth_cache_paths). Returns the answers'
@@ -441,7 +442,7 @@ def prompts_path(answers: str | Path) -> Path:
     return p.with_name(p.stem + ".prompts.jsonl")
 
 
-def synthesized_prompts(cfg, target, path: str | Path, engine_choice: str = "auto") -> list:
+def synthesized_prompts(cfg: Config, target, path: str | Path, engine_choice: str = "auto") -> list:
     """synth.prompts prompts synthesised into (or reused from) `path`, said on stdout, as
     Conversations to answer (`generate`'s prompt-synthesis mode and the `synth` data source)."""
     stats = synthesize_prompts(cfg, target, path, engine_choice)

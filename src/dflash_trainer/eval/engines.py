@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.evaluation import evaluate
-from dflash_trainer.eval.metrics import EvalSummary
+from dflash_trainer.eval.metrics import EvalSummary, tau_by_context
 from dflash_trainer.eval.reference import ReferenceLoop
 from dflash_trainer.eval.served import ServedLoop, engine_for_config
 
@@ -79,7 +80,7 @@ class ProjectLoop:
 
 
 def comparison_engine(
-    name: str, cfg: Any, target: Any, export_dir: str | Path | None, dtype: str
+    name: str, cfg: Config, target: Any, export_dir: str | Path | None, dtype: str
 ) -> DecodeEngine:
     """The engine `name` (one of eval.compare) decoding the export in `export_dir` beside
     `target` (a TargetModel in the evaluation's dtype, `dtype` its label)."""
@@ -107,7 +108,7 @@ def comparison_engine(
     )
 
 
-def compared_engines(cfg: Any) -> list[str]:
+def compared_engines(cfg: Config) -> list[str]:
     """eval.compare, with eval.engine=vllm's comparisons (reference loop and vLLM; at
     temperature > 0 vLLM only: the reference loop is greedy) added."""
     names = list(cfg.eval.compare)
@@ -128,6 +129,7 @@ class EvalRun:
     sims: dict[str, float] = field(default_factory=dict)  # "all" and per group; {} = not run
     sim_gap: float | None = None  # tau_sim - tau on the decoded prompts
     sim_prompts: int = 0
+    sim_ctx: dict[str, tuple[float, int]] = field(default_factory=dict)  # tau_sim per context
     compared: dict[str, dict[str, EvalSummary]] = field(default_factory=dict)  # engine -> group
     details: dict[str, dict[str, dict]] = field(default_factory=dict)  # engine -> group -> own
 
@@ -166,6 +168,12 @@ class EvalRun:
                 rec["eval/tau_sim_gap"] = self.sim_gap
             rec.update({f"eval/tau_sim/{g}": v for g, v in self.sims.items() if g != "all"})
         o = self.overall
+        if o.prompts:  # tau per context-length bucket (eval/metrics.py tau_by_context)
+            lens = [r.acceptance_lengths for r in o.spec_results]
+            for b, (tau, n) in tau_by_context(lens, [len(p) for p in o.prompts]).items():
+                rec[f"eval/tau_ctx/{b}"], rec[f"eval/cycles_ctx/{b}"] = tau, n
+        for b, (tau, n) in self.sim_ctx.items():
+            rec[f"eval/tau_sim_ctx/{b}"], rec[f"eval/sim_cycles_ctx/{b}"] = tau, n
         if o.speedup is not None:
             rec["eval/speedup"] = float(o.speedup)
             rec.update({f"eval/speedup/{g}": s.speedup for g, s in self.groups.items()})

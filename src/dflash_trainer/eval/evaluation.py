@@ -13,6 +13,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from dflash_trainer.config import Config
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.decode.draft import Drafter
 from dflash_trainer.decode.loop import GenResult, decode
@@ -229,7 +230,7 @@ def run_conversations(
     return out
 
 
-def load_eval_pair(cfg: Any, drafter_dir: Path, device: torch.device) -> tuple[Any, Any, int]:
+def load_eval_pair(cfg: Config, drafter_dir: Path, device: torch.device) -> tuple[Any, Any, int]:
     """(target, drafter, block size) for evaluating the exported drafter in `drafter_dir`,
     checked to belong together (taps, hidden size, block size)."""
     if not drafter_dir.is_dir():
@@ -258,7 +259,7 @@ def load_eval_pair(cfg: Any, drafter_dir: Path, device: torch.device) -> tuple[A
     return target, drafter, block_size
 
 
-def evaluate_datasets(cfg: Any, target: Any, drafter: Any, block_size: int) -> dict:
+def evaluate_datasets(cfg: Config, target: Any, drafter: Any, block_size: int) -> dict:
     """Speculative decoding on every `eval.datasets` entry: name -> EvalSummary.
 
     'heldout' is decoded whole. A named set (mt-bench, humaneval, a file) is cut to

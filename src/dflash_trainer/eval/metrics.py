@@ -123,6 +123,44 @@ class EvalSummary:
 NEAR_TIE_LOGIT_GAP = 1.0
 
 
+# Context-length buckets (tokens before a cycle's block): acceptance past the lengths a drafter
+# trained on is where drafters are known to fall off.
+CONTEXT_EDGES = (512, 1024, 2048, 4096, 8192)
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 else str(n)
+
+
+def context_bucket(n: int) -> str:
+    """The bucket of a context of `n` tokens: "0-512", "512-1K", ..., "8K+"."""
+    lo = 0
+    for hi in CONTEXT_EDGES:
+        if n < hi:
+            return f"{_k(lo)}-{_k(hi)}"
+        lo = hi
+    return f"{_k(lo)}+"
+
+
+def tau_by_context(
+    per_response: Sequence[Sequence[int]], prompt_lens: Sequence[int]
+) -> dict[str, tuple[float, int]]:
+    """Per context bucket: (mean tokens committed per cycle, cycles), over the cycles whose
+    block starts after a context of that length (the prompt and every token committed before
+    the cycle). Cycle-weighted: a long response's late cycles are what fall in the long buckets.
+    Buckets without a cycle are left out."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for lens, p in zip(per_response, prompt_lens):
+        ctx = int(p)
+        for n in lens:
+            b = context_bucket(ctx)
+            sums[b], counts[b] = sums.get(b, 0.0) + n, counts.get(b, 0) + 1
+            ctx += n
+    order = [context_bucket(0)] + [context_bucket(e) for e in CONTEXT_EDGES]
+    return {b: (sums[b] / counts[b], counts[b]) for b in order if b in counts}
+
+
 def _mean(xs: Sequence[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
+from dflash_trainer.config import Config
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.prepare import prompt_hash
 from dflash_trainer.data.sources import BadRecord, parse_record
@@ -53,11 +53,11 @@ def load_prompt_file(path: str | Path, data_format: str = "chat") -> list[tuple[
     return out
 
 
-def heldout_file(cfg: Any) -> Path:
+def heldout_file(cfg: Config) -> Path:
     return Path(cfg.eval.heldout_path or RunLayout.of(cfg.run_dir).heldout)
 
 
-def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
+def load_prompt_set(name: str, cfg: Config) -> list[tuple[str, list[dict]]]:
     """(id, messages) pairs for one entry of eval.datasets."""
     if name in ("mt-bench", "humaneval"):
         prefix = {"mt-bench": "mtbench-", "humaneval": "humaneval-"}[name]
@@ -78,7 +78,7 @@ def load_prompt_set(name: str, cfg: Any) -> list[tuple[str, list[dict]]]:
     return load_prompt_file(name, cfg.data.format)
 
 
-def training_ids(cfg: Any) -> tuple[set, set] | None:
+def training_ids(cfg: Config) -> tuple[set, set] | None:
     """(ids, prompt hashes) of the run's training conversations (train_ids.json beside the
     held-out file), or None when the run wrote none."""
     path = heldout_file(cfg).parent / "train_ids.json"

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.config import Config
 from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.evaluation import divergence_gap, evaluate
@@ -315,7 +316,7 @@ def check_parity(
 
 
 def parity_gate(
-    cfg: Any,
+    cfg: Config,
     target: Any,
     drafter: Any,
     export_dir: str | Path,

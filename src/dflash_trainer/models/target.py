@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import embedded, kv_cache
 from dflash_trainer.precision import resolve_dtype
@@ -81,7 +82,7 @@ def validate_taps(taps: list[int], num_layers: int) -> list[int]:
     return list(taps)
 
 
-def resolve_layer_ids(target_cfg, num_layers: int) -> list[int]:
+def resolve_layer_ids(target_cfg: TargetConfig, num_layers: int) -> list[int]:
     if target_cfg.taps:
         return validate_taps(list(target_cfg.taps), num_layers)
     return tap_layer_ids(num_layers, target_cfg.num_taps)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.config import Config, TargetConfig
 from dflash_trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def vllm_unavailable(python: Path | None) -> str | None:
     return None
 
 
-def engine_target(target_cfg: Any) -> str:
+def engine_target(target_cfg: TargetConfig) -> str:
     """The target as an engine loads it: the converted directory for the embedded target (an
     engine cannot read `embedded:smollm2`, and the original Hub checkpoint is not the de-quantised
     model the drafter was trained on), an absolute path for a local directory, else the Hub id."""
@@ -122,7 +123,7 @@ def engine_target(target_cfg: Any) -> str:
     return model
 
 
-def engine_for_config(cfg: Any, dtype: str, required: str = "") -> tuple[VLLMEngine | None, str]:
+def engine_for_config(cfg: Config, dtype: str, required: str = "") -> tuple[VLLMEngine | None, str]:
     """(a VLLMEngine serving the run's target (engine_target, at its pinned revision; none for
     the embedded target, a local directory) in `dtype` with the run's CPU threads, "") where
     vLLM can run; else (None, why), or with `required` (what needs it) a UserError naming both."""

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.config import MetricsConfig
 from dflash_trainer.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def wandb_mode(configured: str) -> str:
     return _ENV_MODES.get(env, "offline")
 
 
-def wandb_init_kwargs(metrics_cfg, run_dir: Path) -> dict:
+def wandb_init_kwargs(metrics_cfg: MetricsConfig, run_dir: Path) -> dict:
     """What wandb.init gets besides mode/dir/config: only what the user configured, so that
     WANDB_PROJECT / WANDB_ENTITY / WANDB_RUN_GROUP / WANDB_TAGS apply otherwise (wandb reads
     them itself); our project default only when neither is set. The run id is kept in
@@ -433,7 +434,9 @@ class MultiSink(Sink):
         self._each("close")
 
 
-def build_sinks(metrics_cfg, run_dir: str | Path, config_dict: dict | None = None) -> MultiSink:
+def build_sinks(
+    metrics_cfg: MetricsConfig, run_dir: str | Path, config_dict: dict | None = None
+) -> MultiSink:
     """JSONL always; TensorBoard / W&B / console per `MetricsConfig`."""
     sinks: list[Sink] = [JsonlSink(run_dir)]
     if metrics_cfg.tensorboard:

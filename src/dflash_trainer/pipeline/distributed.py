@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash_trainer.config import Config, PipelineConfig
 from dflash_trainer.errors import UserError
 from dflash_trainer.pipeline.messages import StageFailure
 from dflash_trainer.pipeline.runtime import StageError
@@ -96,7 +97,7 @@ def cell_layout(
     return shift(drafter_device), [shift(d) for d in target_devices], threads
 
 
-def localize_config(cfg, local_rank: int, local_world_size: int):
+def localize_config(cfg: Config, local_rank: int, local_world_size: int):
     """A copy of `cfg` with this cell's devices and thread budget (see `cell_layout`)."""
     out = copy.deepcopy(cfg)
     p = out.pipeline
@@ -243,7 +244,7 @@ class DistContext:
             dist.destroy_process_group()
 
 
-def init_from_env(pipeline_cfg) -> DistContext | None:
+def init_from_env(pipeline_cfg: PipelineConfig) -> DistContext | None:
     """Join the torchrun job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
     None when WORLD_SIZE is unset or 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -34,6 +34,7 @@ import threading
 import numpy as np
 import torch
 
+from dflash_trainer.config import Config
 from dflash_trainer.pipeline.messages import Batch
 from dflash_trainer.train.objective import needs_final_hidden
 
@@ -208,7 +209,7 @@ class CapturedFeatures:
         return ""
 
 
-def capture_for(cfg, target) -> CapturedFeatures | None:
+def capture_for(cfg: Config, target) -> CapturedFeatures | None:
     """Where the run's data is written by its own target: the store that keeps the taps
     computed while generating (pipeline.capture_features), or None where they would not be
     used: capture off, no feature cache, not a CPU run, or an objective that also needs the

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.target import TargetModel
@@ -26,7 +27,7 @@ from dflash_trainer.run.trainer import train
 log = logging.getLogger(__name__)
 
 
-def _prepare_data_rank0_first(cfg, ctx: DistContext, target) -> dict:
+def _prepare_data_rank0_first(cfg: Config, ctx: DistContext, target) -> dict:
     """Rank 0 reads, regenerates (embedded source) and tokenizes into the shared caches first;
     the other ranks then hit the caches. They write their copy of heldout.jsonl under
     run_dir/ranks/R so that no two processes write one file. Waits through the store (polling
@@ -50,7 +51,7 @@ def _prepare_data_rank0_first(cfg, ctx: DistContext, target) -> dict:
     return {"target": target, "train_set": train_set, "heldout": heldout}
 
 
-def train_distributed(cfg, **train_kwargs):
+def train_distributed(cfg: Config, **train_kwargs):
     """Run this rank's cell of a torchrun job: init, localize devices, train, tear down.
     A failure is printed naming the rank that failed first, then the process exits at once."""
 

@@ -29,7 +29,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, VALIDATION, split_roles, stratified_pick
 from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
 from dflash_trainer.eval.engines import EvalRun, ProjectLoop, comparison_engine
-from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize
+from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize, tau_by_context
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.files import replace_dir
 from dflash_trainer.layout import RunLayout
@@ -220,6 +220,9 @@ class PeriodicEval:
         run.sims.update({src: mean_tau(ls) for src, ls in sorted(replayed.items())})
         run.sim_gap = mean_tau([lens[x.id] for x in decoded]) - run.overall.tau
         run.sim_prompts = len(examples)
+        run.sim_ctx = tau_by_context(
+            [lens[x.id] for x in examples], [len(x.prompt) for x in examples]
+        )
 
     def _record(
         self,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import time
 
+from dflash_trainer.config import OptimConfig
+
 
 class TimeBudget:
     def __init__(self, seconds: float, used_s: float = 0.0, clock=time.monotonic):
@@ -40,7 +42,7 @@ class TimeBudget:
         return self.used() >= self.seconds
 
 
-def budget_lr_lambda(cfg, budget: TimeBudget):
+def budget_lr_lambda(cfg: OptimConfig, budget: TimeBudget):
     """LambdaLR factor from the budget's elapsed fraction: linear warm-up over the first
     `warmup_ratio` of the time, then cosine to `min_lr_ratio` at the end of the budget. The
     step argument is ignored (the step rate is not known in advance)."""

@@ -36,6 +36,16 @@ class SublayerWrap(Protocol):
     def finish(self, y: torch.Tensor, state: Any) -> torch.Tensor: ...
 
 
+class DrafterShape(Protocol):
+    """What a variant reads of the drafter's config (models/drafter.py DFlashConfig)."""
+
+    hidden_size: int
+    block_size: int
+    vocab_size: int
+    init_std: float
+    options: dict[str, Any]
+
+
 class ObjectiveTerms(Protocol):
     """Loss terms a variant adds beside the block loss, with their metric names."""
 
@@ -97,14 +107,14 @@ class DrafterVariant:
         """The variant's options as set in a drafter config section."""
         return {k: getattr(section, k) for k in self.options}
 
-    def check(self, cfg: Any) -> None:
+    def check(self, cfg: DrafterShape) -> None:
         """ValueError naming the option when `cfg` (a DFlashConfig) cannot be built."""
 
-    def layer_parts(self, cfg: Any) -> dict[str, tuple[str, nn.Module]]:
+    def layer_parts(self, cfg: DrafterShape) -> dict[str, tuple[str, nn.Module]]:
         """{"attention" | "mlp": (attribute name, SublayerWrap module)} for one decoder layer."""
         return {}
 
-    def drafter_parts(self, cfg: Any) -> dict[str, nn.Module]:
+    def drafter_parts(self, cfg: DrafterShape) -> dict[str, nn.Module]:
         """{attribute name: module} the drafter holds once."""
         return {}
 
@@ -125,7 +135,7 @@ class DrafterVariant:
         (anchor_ids [B]: slot 0's token). DFlash: each slot's argmax, independently."""
         return pick(logits, temperature, generator)
 
-    def objective_terms(self, section: Any, cfg: Any) -> ObjectiveTerms | None:
+    def objective_terms(self, section: DrafterConfig, cfg: DrafterShape) -> ObjectiveTerms | None:
         """Terms added to the block loss, from the drafter config section (`objective_options`)
         and the drafter's DFlashConfig (`options`); None = none."""
         return None

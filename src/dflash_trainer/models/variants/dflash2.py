@@ -44,13 +44,12 @@ drafts of the same logits).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trainer.models.variants.base import DrafterVariant, pick
+from dflash_trainer.config import DrafterConfig
+from dflash_trainer.models.variants.base import DrafterShape, DrafterVariant, pick
 
 
 def check_shape(
@@ -275,7 +274,7 @@ class DFlash2(DrafterVariant):
     objective_options = ("selector_weight",)
     warm_starts_from = ("dflash",)
 
-    def check(self, cfg) -> None:
+    def check(self, cfg: DrafterShape) -> None:
         o = cfg.options
         check_shape(
             cfg.hidden_size,
@@ -287,7 +286,7 @@ class DFlash2(DrafterVariant):
             o["selector_top_k"],
         )
 
-    def layer_parts(self, cfg) -> dict[str, tuple[str, nn.Module]]:
+    def layer_parts(self, cfg: DrafterShape) -> dict[str, tuple[str, nn.Module]]:
         o = cfg.options
         shape = (cfg.hidden_size, o["conv_kernel_size"], o["conv_group_size"], cfg.block_size)
         return {
@@ -295,7 +294,7 @@ class DFlash2(DrafterVariant):
             "mlp": ("mlp_conv", GroupedDynamicCausalConv(*shape)),
         }
 
-    def drafter_parts(self, cfg) -> dict[str, nn.Module]:
+    def drafter_parts(self, cfg: DrafterShape) -> dict[str, nn.Module]:
         o = cfg.options
         selector = CandidateSelector(
             cfg.vocab_size, cfg.hidden_size, o["selector_rank"], o["selector_top_k"], cfg.init_std
@@ -321,7 +320,7 @@ class DFlash2(DrafterVariant):
             return pick(logits, temperature, generator)
         return selector.walk(hidden, logits, anchor_ids, temperature, generator)
 
-    def objective_terms(self, section: Any, cfg: Any) -> SelectorLoss:
+    def objective_terms(self, section: DrafterConfig, cfg: DrafterShape) -> SelectorLoss:
         return SelectorLoss(section.selector_weight)
 
     def tensor_names(self, num_layers: int) -> list[str]:
