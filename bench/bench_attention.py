@@ -112,7 +112,7 @@ def main() -> None:
         "--chunk-blocks",
         type=int,
         default=0,
-        help="drafter.loss_chunk_blocks (LM-head chunk; its logits are a fixed cost "
+        help="objective.loss_chunk_blocks (LM-head chunk; its logits are a fixed cost "
         "shared by both variants); 0 = the product default (auto, ~128 MiB)",
     )
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # child-process mode

@@ -59,10 +59,10 @@ def main():
     feats = target.features(ids)
     obj = DFlashObjective(
         cfg.drafter.block_size,
-        cfg.drafter.num_anchors,
+        cfg.objective.num_anchors,
         0.0,
         drafter.config.mask_token_id,
-        cfg.drafter.loss_chunk_blocks,
+        cfg.objective.loss_chunk_blocks,
     )
     gen = torch.Generator().manual_seed(0)
 
@@ -73,7 +73,7 @@ def main():
         drafter.zero_grad(set_to_none=True)
 
     t_drafter = timed(dstep, 2)
-    queries = B * cfg.drafter.num_anchors * cfg.drafter.block_size
+    queries = B * cfg.objective.num_anchors * cfg.drafter.block_size
     d_flops = queries * fm.drafter_flops_per_query(S) + B * S * fm.drafter_flops_per_context_token()
     drafter_tflops = d_flops / t_drafter / 1e12
     t_dtype = target.dtype

@@ -1,4 +1,4 @@
-"""What logit distillation (drafter.kd_weight > 0) costs, on the embedded target, this CPU.
+"""What logit distillation (objective.kd_weight > 0) costs, on the embedded target, this CPU.
 
   target stage   TargetStep with and without the final hidden states (KD runs the target's
                  layers after the last tap and its final norm, and hands over [B,S,H] more)
@@ -63,7 +63,7 @@ def main() -> None:
     emb, head = drafter_heads(target, drafter, dev, False)
     t_drafter = {}
     for kd in (False, True):
-        cfg.drafter.kd_weight = 0.5 if kd else 0.0
+        cfg.objective.kd_weight = 0.5 if kd else 0.0
         obj = build_objective(cfg, drafter)
 
         def step(obj=obj):
@@ -86,7 +86,7 @@ def main() -> None:
         "cpu": cpu_kind(),
         "rows": B,
         "seq": S,
-        "anchors": cfg.drafter.num_anchors,
+        "anchors": cfg.objective.num_anchors,
         "target_tok_s": {
             "ce": round(tok / t_target[False], 1),
             "kd": round(tok / t_target[True], 1),

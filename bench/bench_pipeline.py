@@ -8,7 +8,7 @@ pipelined / sequential row is also given with them in, tokens / TrainResult.trai
 Rows (each a median over paired repeats, runs interleaved so machine noise hits all alike):
   pipelined / fixed split       core sharing (pipeline.share_cores, pipeline/cores.py) against
                                 the fixed target_thread_share split, at the preset's shape and
-                                at a drafter-bound one (drafter.loss_slots=0: the LM head on
+                                at a drafter-bound one (objective.loss_slots=0: the LM head on
                                 every slot), where the target waits on a full queue
   pipelined / sequential        our two schedules, same step functions, same batches
   pipelined / colocated loop    a plain loop written the way existing DFlash trainers are:
@@ -328,7 +328,7 @@ def _repeats(target, ds, steps: int, repeats: int):
     over wall of the pipelined runs; pipelined over sequential whole-run (fill and drain in)."""
     rows: dict[str, list[float]] = {k: [] for k in SCHEDULES}
     fixed = ["--pipeline.share_cores=false"]
-    heavy = ["--drafter.loss_slots=0"]  # the LM head on every slot: the drafter is the bound
+    heavy = ["--objective.loss_slots=0"]  # the LM head on every slot: the drafter is the bound
     cpu_wall, whole = [], []
     for r in range(repeats):
         rows["pipelined"].append(run_ours(target, ds, steps, "pipelined"))

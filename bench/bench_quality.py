@@ -10,14 +10,14 @@ Recipes: the default (preset smollm2-cpu as shipped), the default without each l
   bf16          target.dtype=bfloat16 + pipeline.precision=bf16 (auto picks fp32 where bf16
                 matmuls are emulated, bf16 where they are native)
   one-epoch     the recipe before the time budget: one pass over the data, no budget
-  all-slots     drafter.loss_slots=0: the LM head on every block slot
+  all-slots     objective.loss_slots=0: the LM head on every block slot
   no-cache      pipeline.feature_cache_gb=0: the target runs in every epoch
   big-batches   the earlier batching: 2048-token batches, 20 anchors
 and the objectives and starts of issue 18, each on top of the default:
-  kd            drafter.kd_weight=0.5 (logit distillation)
-  dpace         drafter.weighting=dpace (D-PACE position weights)
-  noise         drafter.feature_noise=0.05
-  hidden        drafter.hidden_weight=1 (hidden-state regression)
+  kd            objective.kd_weight=0.5 (logit distillation)
+  dpace         objective.weighting=dpace (D-PACE position weights)
+  noise         objective.feature_noise=0.05
+  hidden        objective.hidden_weight=1 (hidden-state regression)
   warm-start    drafter.init_from = the default recipe's export at the same budget, trained
                 for that budget again (list it after `default`)
 
@@ -49,13 +49,13 @@ RECIPES = {
     "random-init": {"drafter.init": "random"},
     "bf16": {"target.dtype": "bfloat16", "pipeline.precision": "bf16"},
     "one-epoch": {"optim.time_budget_s": "0", "optim.epochs": "1"},
-    "all-slots": {"drafter.loss_slots": "0"},
+    "all-slots": {"objective.loss_slots": "0"},
     "no-cache": {"pipeline.feature_cache_gb": "0"},
-    "big-batches": {"batching.max_tokens": "2048", "drafter.num_anchors": "20"},
-    "kd": {"drafter.kd_weight": "0.5"},
-    "dpace": {"drafter.weighting": "dpace"},
-    "noise": {"drafter.feature_noise": "0.05"},
-    "hidden": {"drafter.hidden_weight": "1"},
+    "big-batches": {"batching.max_tokens": "2048", "objective.num_anchors": "20"},
+    "kd": {"objective.kd_weight": "0.5"},
+    "dpace": {"objective.weighting": "dpace"},
+    "noise": {"objective.feature_noise": "0.05"},
+    "hidden": {"objective.hidden_weight": "1"},
     "warm-start": {},  # drafter.init_from is set per budget (run_cell)
 }
 

@@ -74,7 +74,7 @@ TINY_DRAFTER = [
     "--drafter.num_kv_heads=2",
     "--drafter.head_dim=16",
     "--drafter.intermediate_size=128",
-    "--drafter.num_anchors=8",
+    "--objective.num_anchors=8",
     "--target.num_taps=2",
 ]
 
@@ -113,7 +113,7 @@ def make_cfg(run_dir, schedule, steps, device, tiny):
             "--data.max_length=3072",
             "--batching.max_tokens=16384",
             "--checkpoint.keep_last=1",
-            "--drafter.num_anchors=512",
+            "--objective.num_anchors=512",
             *(TINY_DRAFTER if tiny else []),
         ],
     )

@@ -23,7 +23,7 @@ Variants (the data sources of the issue's table; one machine, one table):
   synth-sampled  + synthesised prompts, answers sampled at T=0.8, top-p 0.95 (the peers'
                  temperatures; --set synth.answer_temperature=... for another)
   raw-kd         + a conversation file the target did not write (--raw FILE), every label the
-                 target's own distribution at that position (drafter.kd_weight=1: one prefill)
+                 target's own distribution at that position (objective.kd_weight=1: one prefill)
 
 Run: python bench/quality_run.py [--variant synth-greedy] [--set KEY=VALUE ...] [--json OUT]
 """
@@ -144,7 +144,7 @@ def build_config(args):
     if args.variant == "raw-kd":
         if not args.raw:
             raise SystemExit("raw-kd trains on a file the target did not write: pass --raw FILE")
-        set_value(cfg, "drafter.kd_weight", "1")
+        set_value(cfg, "objective.kd_weight", "1")
     if args.variant.startswith("synth"):
         cfg.data.sources = [*cfg.data.sources, "synth"]
     if args.variant == "synth-sampled":  # the peers' temperatures

@@ -9,7 +9,7 @@ and the drafter's 49k-way LM head; memorising needs optimizer steps, not anchors
 80 steps. Measured with 150 epochs: the training loss fell below 0.4 at step 46 (accept_len 6.8)
 and below 0.05 by step 55. With these settings (80 epochs): tau 11.5 of a possible 11.5 on the
 six prompts when every slot was trained, 442 s in all on 2 cores shared with other jobs (load ~6;
-406 s of training). Since the preset trains slots 1..4 only (drafter.loss_slots = 4) the drafter
+406 s of training). Since the preset trains slots 1..4 only (objective.loss_slots = 4) the drafter
 memorises those slots and tau is 5.08 (measured again: 5.084, as in docs/guides/export.md; 131 s
 of training at load ~2). The preset's time budget is off so the epochs decide. float32 target
 and fp32 drafter: exact, and what vLLM serves beside it (dtype=float32) for token identity.
@@ -63,7 +63,7 @@ def memorise(root: Path, extra_flags: tuple[str, ...] = ()) -> Memorised:
         f"--run_dir={root / 'run'}",
         f"--data.cache_dir={root / 'tok'}",
         "--data.eval_fraction=0",
-        f"--drafter.num_anchors={ANCHORS}",
+        f"--objective.num_anchors={ANCHORS}",
         "--batching.num_buckets=1",  # one batch per epoch: every step sees every conversation
         f"--optim.epochs={EPOCHS}",
         f"--optim.time_budget_s={BUDGET_S}",

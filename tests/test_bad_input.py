@@ -54,7 +54,7 @@ def _train(model_dir, tmp_path, *extra):
             "--drafter.head_dim=8",
             "--drafter.intermediate_size=32",
             "--drafter.block_size=4",
-            "--drafter.num_anchors=4",
+            "--objective.num_anchors=4",
             "--optim.max_steps=2",
             "--metrics.wandb=off",
             "--metrics.tensorboard=false",

@@ -1,3 +1,4 @@
+import dataclasses
 import re
 
 import pytest
@@ -146,16 +147,23 @@ PINNED_KEYS = {
         "head_dim",
         "intermediate_size",
         "block_size",
-        "num_anchors",
         "mask_token_id",
-        "gamma",
         "rms_norm_eps",
         "rope_theta",
         "rope",
         "attention",
-        "loss_chunk_blocks",
         "init_std",
         "init_from",
+        "variant",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+    ],
+    "objective": [
+        "num_anchors",
+        "gamma",
+        "loss_chunk_blocks",
         "weighting",
         "dpace_alpha",
         "feature_noise",
@@ -164,11 +172,6 @@ PINNED_KEYS = {
         "kd_temperature",
         "loss_slots",
         "hidden_weight",
-        "variant",
-        "conv_kernel_size",
-        "conv_group_size",
-        "selector_rank",
-        "selector_top_k",
         "selector_weight",
     ],
     "optim": [
@@ -311,8 +314,23 @@ def test_a_renamed_key_is_an_error_that_names_the_new_one(tmp_path, old, new):
     with pytest.raises(ConfigError, match=f"'{old}'.*renamed to '{news[0]}'"):
         load_config(None, str(toml))
     # a config saved by an older version (an export's training.json) reads under the new name
-    cfg = load_config(None, None, [], base={section: {name: 2}})
-    assert all(get_value(cfg, n) == 2 for n in news)
+    value = _another_valid_value(news[0])
+    cfg = load_config(None, None, [], base={section: {name: value}})
+    assert all(get_value(cfg, n) == value for n in news)
+
+
+def _another_valid_value(key):
+    """A value `key` accepts that is not its default: another choice, or a number in range."""
+    section, _, name = key.rpartition(".")
+    holder = get_value(Config(), section) if section else Config()
+    f = {f.name: f for f in dataclasses.fields(holder)}[name]
+    default, m = f.default, f.metadata
+    if m.get("choices"):
+        return next(c for c in m["choices"] if c != default)
+    hi = m.get("max")
+    value = default + 1 if hi is None or default + 1 <= hi else (default + m.get("min", 0)) / 2
+    assert value != default and (hi is None or value <= hi) and value >= (m.get("min") or 0)
+    return type(default)(value) if isinstance(default, int) else value
 
 
 def get_value(cfg, key):
@@ -354,20 +372,20 @@ def test_a_presets_fp32_cpu_table_applies_where_the_drafter_trains_in_fp32(
     from dflash_trainer import config_io
 
     (tmp_path / "p.toml").write_text(
-        "[drafter]\nnum_anchors = 40\nloss_slots = 4\n"
-        "[fp32_cpu]\ndrafter.num_anchors = 20\n[fp32_cpu.optim]\nlr = 0.004\n"
+        "[objective]\nnum_anchors = 40\nloss_slots = 4\n"
+        "[fp32_cpu]\nobjective.num_anchors = 20\n[fp32_cpu.optim]\nlr = 0.004\n"
     )
     monkeypatch.setattr(config_io, "PRESET_DIR", tmp_path)
     cfg = config_io.load_config("p")
     fp32 = not cpu_native_bf16
-    assert cfg.drafter.num_anchors == (20 if fp32 else 40) and cfg.drafter.loss_slots == 4
+    assert cfg.objective.num_anchors == (20 if fp32 else 40) and cfg.objective.loss_slots == 4
     assert cfg.optim.lr == (0.004 if fp32 else config_io.Config().optim.lr)
     assert config_io.preset_kind_table("p", cfg) == (
-        {"drafter.num_anchors": 20, "optim.lr": 0.004} if fp32 else {}
+        {"objective.num_anchors": 20, "optim.lr": 0.004} if fp32 else {}
     )
-    flags = config_io.load_config("p", overrides=["--drafter.num_anchors=33"])
-    assert flags.drafter.num_anchors == 33  # a flag wins over the table, and is not said as its
+    flags = config_io.load_config("p", overrides=["--objective.num_anchors=33"])
+    assert flags.objective.num_anchors == 33  # a flag wins over the table, and is not said as its
     assert config_io.preset_kind_table("p", flags) == ({"optim.lr": 0.004} if fp32 else {})
     bf16 = config_io.load_config("p", overrides=["--pipeline.precision=bf16"])
-    assert bf16.drafter.num_anchors == 40  # the drafter autocasts: not the fp32 shape
+    assert bf16.objective.num_anchors == 40  # the drafter autocasts: not the fp32 shape
     assert config_io.load_config("p", overrides=["--pipeline.precision=fp32"]).optim.lr == 0.004

@@ -32,7 +32,7 @@ STEPS = 6  # 2 epochs x 6 batches per rank / grad_accum 2
 # num_anchors >= any sequence length: every valid position is an anchor, so the loss does not
 # depend on the anchor RNG and 2 ranks can be compared with 1 rank exactly.
 BASE = {
-    "drafter.num_anchors": 80,
+    "objective.num_anchors": 80,
     "batching.max_batch_size": 2,
     "batching.num_buckets": 1,
     "batching.sort_window": 0,
@@ -368,7 +368,7 @@ def test_cli_nproc_launches_torchrun_end_to_end(tmp_path):
         "drafter.head_dim": 16,
         "drafter.intermediate_size": 64,
         "drafter.block_size": 4,
-        "drafter.num_anchors": 8,
+        "objective.num_anchors": 8,
         "batching.max_tokens": 512,
         "optim.epochs": 2,
         "metrics.wandb": "off",

@@ -41,7 +41,7 @@ def test_export_a_checkpoint_records_target_and_config(trained, model_dir, tmp_p
     assert rec["format"] == 1 and rec["step"] == 2 and rec["checkpoint"] == str(ck.resolve())
     assert rec["target"]["model"] == str(model_dir)
     assert rec["target"]["local_dir"] == str(model_dir.resolve())
-    assert rec["config"]["drafter"]["num_anchors"] == 4
+    assert rec["config"]["objective"]["num_anchors"] == 4
     assert rec["config"]["run_dir"] == str(trained)
     # same weights as the checkpoint's own export
     a, b = load_drafter(out), load_drafter(ck / "export")

@@ -198,7 +198,7 @@ def _train(family_dir, tmp_path, init):
             f"--drafter.init={init}",
             "--drafter.num_layers=1",
             "--drafter.block_size=4",
-            "--drafter.num_anchors=4",
+            "--objective.num_anchors=4",
             "--batching.max_tokens=256",
             "--optim.max_steps=3",
             "--pipeline.feature_cache_gb=0",

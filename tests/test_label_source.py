@@ -1,4 +1,4 @@
-"""drafter.label_source=target: each slot's label is the target's own argmax at the position
+"""objective.label_source=target: each slot's label is the target's own argmax at the position
 before it (its final hidden state through the LM head), checked against a naive loop over the
 full [B, S, V] logits; validity is the text labels'; the run wires it end to end."""
 
@@ -90,7 +90,7 @@ def test_the_loss_trains_on_the_target_labels_with_the_text_validity():
 
 
 def test_a_run_with_target_labels_trains(tmp_path):
-    cfg = tiny_config(tmp_path, **{"drafter.label_source": "target", "optim.epochs": 1})
+    cfg = tiny_config(tmp_path, **{"objective.label_source": "target", "optim.epochs": 1})
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset(8))
     losses = [m["loss"] for _, m in res.history]
     assert losses and all(torch.isfinite(torch.tensor(losses)))

@@ -58,10 +58,10 @@ class CountHostReads(TorchDispatchMode):
     "objective",
     [
         {},
-        {"drafter.weighting": "dpace", "drafter.feature_noise": 0.05},
-        {"drafter.kd_weight": 0.5, "drafter.kd_temperature": 2.0},
-        {"drafter.hidden_weight": 1.0, "drafter.loss_slots": 2},
-        {"pipeline.feature_cache_gb": 1.0, "drafter.kd_weight": 0.5},
+        {"objective.weighting": "dpace", "objective.feature_noise": 0.05},
+        {"objective.kd_weight": 0.5, "objective.kd_temperature": 2.0},
+        {"objective.hidden_weight": 1.0, "objective.loss_slots": 2},
+        {"pipeline.feature_cache_gb": 1.0, "objective.kd_weight": 0.5},
     ],
     ids=["decay", "dpace+noise", "kd", "hidden+slots", "cache"],
 )
@@ -93,9 +93,9 @@ def test_no_host_reads_in_worker_threads(tmp_path, monkeypatch, objective):
     m = res.metrics
     assert any(k.startswith("drafter/") for k in m) and any(k.startswith("queue/") for k in m)
     assert "batch/padding_eff" in m and any(k.startswith("worker/target0/") for k in m)
-    if objective.get("drafter.kd_weight"):  # the KD path really ran: its terms were logged
+    if objective.get("objective.kd_weight"):  # the KD path really ran: its terms were logged
         assert m.get("drafter/kd", 0) > 0 and m.get("drafter/ce", 0) > 0
-    if objective.get("drafter.hidden_weight"):  # the regression ran, on the target's states
+    if objective.get("objective.hidden_weight"):  # the regression ran, on the target's states
         assert m.get("drafter/hidden", 0) > 0 and "drafter/acc_3" not in m
     steady = [h for h in hits if h[1] >= 1]
     assert steady == [], Counter((w, op) for w, _, op in steady)

@@ -94,7 +94,7 @@ def tiny_config(tmp_path, **over) -> Config:
         "drafter.head_dim": 16,
         "drafter.intermediate_size": 64,
         "drafter.block_size": 4,
-        "drafter.num_anchors": 8,
+        "objective.num_anchors": 8,
         "drafter.mask_token_id": 0,
         "checkpoint.export_dtype": "float32",  # exact exports: tests compare them to the drafter
         "batching.max_tokens": 256,

@@ -218,14 +218,10 @@ class DrafterConfig:
     block_size: int = _f(
         16, "tokens per draft block (slot 0 = anchor/bonus token)", unit="tokens", min=2, max=64
     )
-    num_anchors: int = _f(512, "anchors (blocks) sampled per sequence per step", min=1)
     mask_token_id: int = _f(
         -1,
         "MASK token id; -1 = auto (the first padded embedding row, else the tokenizer's first "
         "reserved special token, else 0); an id the training text holds is refused",
-    )
-    gamma: float = _f(
-        0.0, "loss decay: weight exp(-(k-1)/gamma); 0 = paper value for block_size", min=0.0
     )
     rms_norm_eps: float = _f(1e-6, "RMSNorm epsilon", min=0.0)
     rope_theta: float = _f(0.0, "RoPE base; 0 = the target's", min=0.0)
@@ -242,14 +238,6 @@ class DrafterConfig:
         "attention implementation: auto = flex on CUDA, split on CPU",
         choices=("auto", "split", "dense", "flex"),
     )
-    loss_chunk_blocks: int = _f(
-        0,
-        "blocks per LM-head chunk (logits never exist all at once); "
-        "0 = auto: about 128 MiB (CPU) or 2 GiB (CUDA) of fp32 logits per "
-        "chunk, whatever the vocabulary and batch",
-        unit="blocks",
-        min=0,
-    )
     init_std: float = _f(0.02, "std of the random init of linear weights", min=0.0)
     init_from: str = _f(
         "",
@@ -257,6 +245,54 @@ class DrafterConfig:
         "e.g. z-lab's): fine-tuning. Its layer count, head layout, tapped layers and mask token "
         "are kept and checked against the target and these settings; block_size may differ. "
         "Wins over drafter.init; a checkpoint resume wins over it",
+    )
+    # DFlash2 (docs/guides/dflash2.md): the same drafter plus convolutions and a candidate selector
+    variant: str = _f(
+        "dflash",
+        "drafter variant: dflash, or dflash2 = DFlash plus a grouped dynamic causal convolution "
+        "within the block around every attention and MLP sublayer and a low-rank candidate "
+        "selector that rescores each slot's top-k given the previous slot's token (exported as "
+        "DFlash2DraftModel; both start neutral, so init_from a DFlash export drafts as it did)",
+        choices=("dflash", "dflash2"),
+    )
+    conv_kernel_size: int = _f(
+        2,
+        "dflash2: convolution taps (this slot and the ones before it in the block)",
+        unit="slots",
+        min=1,
+        max=64,
+    )
+    conv_group_size: int = _f(
+        16,
+        "dflash2: channels that share one dynamic convolution coefficient; divides the hidden size",
+        unit="channels",
+        min=1,
+    )
+    selector_rank: int = _f(256, "dflash2: rank of the selector's codebooks", min=1)
+    selector_top_k: int = _f(
+        16,
+        "dflash2: candidates per slot the selector rescores (the LM head's top k)",
+        unit="tokens",
+        min=1,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class ObjectiveConfig:
+    """What the drafter learns and from where: anchors, the per-slot loss and its weights,
+    distillation and the variants' own loss terms (train/objective.py)."""
+
+    num_anchors: int = _f(512, "anchors (blocks) sampled per sequence per step", min=1)
+    gamma: float = _f(
+        0.0, "loss decay: weight exp(-(k-1)/gamma); 0 = paper value for block_size", min=0.0
+    )
+    loss_chunk_blocks: int = _f(
+        0,
+        "blocks per LM-head chunk (logits never exist all at once); "
+        "0 = auto: about 128 MiB (CPU) or 2 GiB (CUDA) of fp32 logits per "
+        "chunk, whatever the vocabulary and batch",
+        unit="blocks",
+        min=0,
     )
     weighting: str = _f(
         "decay",
@@ -309,35 +345,6 @@ class DrafterConfig:
         "pulled toward the target's at the same position (|h - t|^2 / |t|^2; the two share "
         "the LM head, so this matches the whole distribution at no LM-head cost); 0 = off",
         min=0.0,
-    )
-    # DFlash2 (docs/guides/dflash2.md): the same drafter plus convolutions and a candidate selector
-    variant: str = _f(
-        "dflash",
-        "drafter variant: dflash, or dflash2 = DFlash plus a grouped dynamic causal convolution "
-        "within the block around every attention and MLP sublayer and a low-rank candidate "
-        "selector that rescores each slot's top-k given the previous slot's token (exported as "
-        "DFlash2DraftModel; both start neutral, so init_from a DFlash export drafts as it did)",
-        choices=("dflash", "dflash2"),
-    )
-    conv_kernel_size: int = _f(
-        2,
-        "dflash2: convolution taps (this slot and the ones before it in the block)",
-        unit="slots",
-        min=1,
-        max=64,
-    )
-    conv_group_size: int = _f(
-        16,
-        "dflash2: channels that share one dynamic convolution coefficient; divides the hidden size",
-        unit="channels",
-        min=1,
-    )
-    selector_rank: int = _f(256, "dflash2: rank of the selector's codebooks", min=1)
-    selector_top_k: int = _f(
-        16,
-        "dflash2: candidates per slot the selector rescores (the LM head's top k)",
-        unit="tokens",
-        min=1,
     )
     selector_weight: float = _f(
         1.0,
@@ -808,6 +815,7 @@ class Config:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -827,6 +835,18 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     "pipeline.timeout_s": "pipeline.poll_s",
     "pipeline.seed": "seed",
     "eval.num_prompts": ("eval.periodic_prompts", "eval.dataset_prompts"),
+    "drafter.num_anchors": "objective.num_anchors",
+    "drafter.gamma": "objective.gamma",
+    "drafter.loss_chunk_blocks": "objective.loss_chunk_blocks",
+    "drafter.weighting": "objective.weighting",
+    "drafter.dpace_alpha": "objective.dpace_alpha",
+    "drafter.feature_noise": "objective.feature_noise",
+    "drafter.kd_weight": "objective.kd_weight",
+    "drafter.label_source": "objective.label_source",
+    "drafter.kd_temperature": "objective.kd_temperature",
+    "drafter.loss_slots": "objective.loss_slots",
+    "drafter.hidden_weight": "objective.hidden_weight",
+    "drafter.selector_weight": "objective.selector_weight",
 }
 
 

@@ -44,12 +44,12 @@ class StageBalance:
             tip = (
                 "the target waits for the drafter: give the drafter more (more ranks via "
                 "torchrun, each with its own targets; pipeline.precision=bf16), lower "
-                "drafter.num_anchors, or use fewer target devices per drafter"
+                "objective.num_anchors, or use fewer target devices per drafter"
             )
         elif self.verdict == "target-bound":
             tip = (
                 "the drafter waits for the target: add target devices "
-                "(pipeline.target_devices), or raise drafter.num_anchors (more training "
+                "(pipeline.target_devices), or raise objective.num_anchors (more training "
                 "signal per target forward at no cost in throughput)"
             )
         elif self.verdict == "input-bound":

@@ -214,7 +214,7 @@ def capture_for(cfg: Config, target) -> CapturedFeatures | None:
     computed while generating (pipeline.capture_features), or None where they would not be
     used: capture off, no feature cache, not a CPU run, or an objective that also needs the
     target's final hidden states."""
-    p, d = cfg.pipeline, cfg.drafter
+    p, d = cfg.pipeline, cfg.objective
     devices = [torch.device(x) for x in (*p.target_devices, p.drafter_device)]
     if not p.capture_features or p.feature_cache_gb <= 0 or any(x.type != "cpu" for x in devices):
         return None

@@ -55,10 +55,10 @@ def oom_context(stage: str, shape) -> Iterator[None]:
             if stage == "target"
             # the drafter's step grows with rows x num_anchors x block_size whatever the rows'
             # lengths: below the token budget, the row cap is what shrinks a batch of short rows
-            else f"batching.max_batch_size (rows per batch, {rows} here) or drafter.num_anchors "
-            "(its step holds rows x anchors x block_size positions), or set "
-            "drafter.loss_chunk_blocks to a few blocks (0 = auto: 128 MiB of logits on CPU, 2 GiB "
-            "on CUDA)"
+            else f"batching.max_batch_size (rows per batch, {rows} here) or "
+            "objective.num_anchors (its step holds rows x anchors x block_size positions), or set "
+            "objective.loss_chunk_blocks to a few blocks (0 = auto: 128 MiB of logits on CPU, "
+            "2 GiB on CUDA)"
         )
         raise BatchOutOfMemory(
             f"out of memory in the {stage} step on a batch of {rows} x {seq} tokens; lower "

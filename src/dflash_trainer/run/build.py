@@ -230,9 +230,9 @@ def claim_run_dir(cfg: Config, rank: int) -> Path | None:
 
 
 def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
-    d = cfg.drafter
+    d = cfg.objective
     return DFlashObjective(
-        d.block_size,
+        cfg.drafter.block_size,
         d.num_anchors,
         d.gamma,
         drafter.config.mask_token_id,  # an init_from export brings its own

@@ -210,7 +210,7 @@ class Trainer:
             max_steps=parts.total_steps,
             hooks=self.hooks,
             ledger=ledger,
-            queries_per_row=cfg.drafter.num_anchors * cfg.drafter.block_size,
+            queries_per_row=cfg.objective.num_anchors * cfg.drafter.block_size,
             budget=parts.budget,
         )
         self.stop = threading.Event()

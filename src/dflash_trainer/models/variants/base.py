@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from dflash_trainer.config import DrafterConfig
+from dflash_trainer.config import DrafterConfig, ObjectiveConfig
 
 
 class SublayerWrap(Protocol):
@@ -87,7 +87,7 @@ class DrafterVariant:
     architecture = "DFlashDraftModel"
     reference_class = "DFlashDraftModel"
     options: tuple[str, ...] = ()
-    objective_options: tuple[str, ...] = ()  # drafter.* keys read by objective_terms
+    objective_options: tuple[str, ...] = ()  # objective.* keys read by objective_terms
     warm_starts_from: tuple[str, ...] = ()
 
     def default_options(self) -> dict[str, Any]:
@@ -135,8 +135,8 @@ class DrafterVariant:
         (anchor_ids [B]: slot 0's token). DFlash: each slot's argmax, independently."""
         return pick(logits, temperature, generator)
 
-    def objective_terms(self, section: DrafterConfig, cfg: DrafterShape) -> ObjectiveTerms | None:
-        """Terms added to the block loss, from the drafter config section (`objective_options`)
+    def objective_terms(self, section: ObjectiveConfig, cfg: DrafterShape) -> ObjectiveTerms | None:
+        """Terms added to the block loss, from the objective config section (`objective_options`)
         and the drafter's DFlashConfig (`options`); None = none."""
         return None
 

@@ -29,7 +29,7 @@ candidate set), per slot k >= 1 of every block:
     at inference conditions on the token drafted for the slot before, which is the true one
     exactly while the draft is still being accepted;
   - scores = unary logit + <pred[prev] * proj(h_k), succ[cand]>, CE against the label's index,
-    weighted per slot like the block loss (exp(-(k-1)/gamma)), times drafter.selector_weight.
+    weighted per slot like the block loss (exp(-(k-1)/gamma)), times objective.selector_weight.
 The unary logits enter as constants (the block loss alone trains them: one LM-head pass fewer in
 backward; speculators lets the selector loss reach them too); the hidden state gets the selector
 loss's gradient through hidden_projection. The top-k needs the slot's logits once more: one extra
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trainer.config import DrafterConfig
+from dflash_trainer.config import ObjectiveConfig
 from dflash_trainer.models.variants.base import DrafterShape, DrafterVariant, pick
 
 
@@ -177,7 +177,7 @@ class CandidateSelector(nn.Module):
 
 class SelectorLoss:
     """The selector's teacher-forced k-way CE (module docstring), weighted per slot like the
-    block loss, times drafter.selector_weight."""
+    block loss, times objective.selector_weight."""
 
     metric_names = ["sel_loss", "sel_acc", "recall_k", "walk_accept_len"]
 
@@ -320,7 +320,7 @@ class DFlash2(DrafterVariant):
             return pick(logits, temperature, generator)
         return selector.walk(hidden, logits, anchor_ids, temperature, generator)
 
-    def objective_terms(self, section: DrafterConfig, cfg: DrafterShape) -> SelectorLoss:
+    def objective_terms(self, section: ObjectiveConfig, cfg: DrafterShape) -> SelectorLoss:
         return SelectorLoss(section.selector_weight)
 
     def tensor_names(self, num_layers: int) -> list[str]:
