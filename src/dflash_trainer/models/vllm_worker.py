@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     req_path, out_path = argv[1], argv[2]
     with open(req_path, encoding="utf-8") as f:
         req = json.load(f)
-    # CPU build settings (docs/serving.md); harmless on GPU. The caller's environment wins.
+    # CPU build settings (docs/guides/export.md); harmless on GPU. The caller's environment wins.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_cache_gb", 2)))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import vllm
