@@ -262,8 +262,10 @@ class Trainer:
         )
         return RecordingRing(ring), step
 
-    def _build_prefetcher(self, work_q: BoundedQueue, faults: FaultInjector) -> BatchPrefetcher:
-        """From this rank's training position (a resume continues inside its epoch)."""
+    def _build_prefetcher(
+        self, work_q: BoundedQueue, faults: FaultInjector, start: tuple[int, int]
+    ) -> BatchPrefetcher:
+        """From `start`, this rank's training position (a resume continues inside its epoch)."""
         cfg, parts = self.cfg, self.parts
         return BatchPrefetcher(
             parts.train_set,
@@ -275,7 +277,7 @@ class Trainer:
             rank=self.rank,
             world_size=parts.world_size,
             pin_memory=any(d.startswith("cuda") for d in cfg.pipeline.target_devices),
-            start=self.start_position(),
+            start=start,
             skip_samples=parts.resume.epoch_skip if parts.resume is not None else None,
             faults=faults,
         )
@@ -294,7 +296,8 @@ class Trainer:
         # work_q: the prefetcher -> every target worker (or the sequential worker)
         work_q = BoundedQueue("work", p.work_queue_size, p.poll_s, consumers=n_targets)
         t_threads, d_threads = thread_split(cfg)
-        self.prefetcher = self._build_prefetcher(work_q, faults)
+        start = self.start_position()  # the prefetcher's and the drafter's first batch
+        self.prefetcher = self._build_prefetcher(work_q, faults, start)
         # KD and hidden regression: the target step also hands over its final hidden states.
         kd = parts.objective.needs_target_hidden
         self.cache = feature_cache(cfg, parts, captured)
@@ -331,7 +334,8 @@ class Trainer:
                 if i == 0
                 else TargetStep(tgt, parts.drafter_device, parts.feature_dtype, kd, self.cache)
             )
-            check_taps(cfg, step_fn, f"target{i}")
+            if i == 0 or tgt is not first:  # a target shared with worker 0 is checked once
+                check_taps(cfg, step_fn, f"target{i}")
             self.threads.append(
                 TargetWorker(
                     f"target{i}",
@@ -354,7 +358,7 @@ class Trainer:
                 hs_q=hs_q,
                 num_producers=len(targets),
                 done=self.done,
-                start=self.start_position(),
+                start=start,
                 **common,
             )
         )
