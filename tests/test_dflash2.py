@@ -225,3 +225,15 @@ def test_warm_start_from_a_dflash_export_drafts_what_it_drafts(tmp_path):
         blocks = torch.randn(1, N * BS, H, generator=g)
         anc, ok = torch.tensor([[3, 7]]), torch.ones(1, N, dtype=torch.bool)
         torch.testing.assert_close(d2(blocks, feats, anc, ok), pub(blocks, feats, anc, ok))
+
+
+def test_a_config_json_writing_options_as_floats_loads_them_as_ints(exported):
+    """What the loader did before the variant registry: int(...) of each DFlash2 key."""
+    _, out = exported
+    c = out / "config.json"
+    cfg = json.loads(c.read_text())
+    cfg["dflash_config"]["conv_kernel_size"] = float(TAPS)
+    c.write_text(json.dumps(cfg))
+    back = load_drafter(out)
+    assert back.config.options["conv_kernel_size"] == TAPS
+    assert isinstance(back.config.options["conv_kernel_size"], int)

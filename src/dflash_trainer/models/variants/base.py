@@ -82,6 +82,13 @@ def schema_defaults(keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: fields[k].default for k in keys}
 
 
+def _as_type_of(default: Any, value: Any) -> Any:
+    """`value` as an int or float where the default is one (bools and other types as given)."""
+    if isinstance(default, bool) or not isinstance(default, int | float):
+        return value
+    return type(default)(value)
+
+
 class DrafterVariant:
     name = "dflash"
     architecture = "DFlashDraftModel"
@@ -94,14 +101,16 @@ class DrafterVariant:
         return schema_defaults(self.options)
 
     def complete_options(self, given: dict[str, Any]) -> dict[str, Any]:
-        """`given` with the defaults of the options it leaves out; ValueError on a key the
-        variant does not have."""
+        """`given` with the defaults of the options it leaves out, each given number as its
+        default's type (a config.json may write 2.0 for 2); ValueError on a key the variant does
+        not have or a value that is no such number."""
         unknown = sorted(set(given) - set(self.options))
         if unknown:
             raise ValueError(
                 f"variant {self.name} has no option {unknown} (its options: {list(self.options)})"
             )
-        return {**self.default_options(), **given}
+        defaults = self.default_options()
+        return {**defaults, **{k: _as_type_of(defaults[k], v) for k, v in given.items()}}
 
     def options_from(self, section: Any) -> dict[str, Any]:
         """The variant's options as set in a drafter config section."""
