@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.drafter import DFlashDrafter
 from dflash_trainer.models.export import export_drafter, load_drafter
+from test_drafter import tiny_cfg
 
 H, NF, BS, L, V, HEADS, HD = 32, 3, 4, 2, 128, 4, 8
 YARN = {
@@ -116,22 +117,8 @@ def test_negative_control_the_same_weights_with_plain_rope_differ(tmp_path):
 
 
 def _cfg(scaling):
-    return DFlashConfig(
-        hidden_size=H,
-        num_layers=L,
-        num_heads=HEADS,
-        num_kv_heads=2,
-        head_dim=HD,
-        intermediate_size=48,
-        block_size=BS,
-        target_layer_ids=[1, 3, 5],
-        num_target_layers=8,
-        mask_token_id=V - 1,
-        vocab_size=V,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        rope_scaling=scaling,
-    )
+    """test_drafter's tiny drafter (H 32, 4 x 8 heads, taps [1, 3, 5], vocab 128) with `scaling`."""
+    return tiny_cfg(max_position_embeddings=256, rope_scaling=scaling)
 
 
 def test_the_export_writes_the_form_in_every_key_and_reads_it_back(tmp_path):

@@ -16,12 +16,13 @@ from torch import nn
 
 from dflash_trainer.config import DrafterConfig
 from dflash_trainer.models import variants
-from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter, convert_variant
+from dflash_trainer.models.drafter import DFlashDrafter, convert_variant
 from dflash_trainer.models.export import expected_names, export_drafter, load_drafter
 from dflash_trainer.models.variants.base import DrafterVariant
 from dflash_trainer.train.objective import DFlashObjective
+from test_drafter import tiny_cfg
 
-H, NF, BS, L, V = 32, 2, 4, 2, 64
+H, NF, BS, L, V = 32, 3, 4, 2, 128  # test_drafter.tiny_cfg's
 
 
 class MLPGate(nn.Module):
@@ -78,22 +79,8 @@ def gated(monkeypatch):
 
 
 def _cfg(variant="gated", **options):
-    return DFlashConfig(
-        hidden_size=H,
-        num_layers=L,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        block_size=BS,
-        target_layer_ids=[0, 1],
-        num_target_layers=4,
-        mask_token_id=V - 1,
-        vocab_size=V,
-        init_std=0.2,
-        variant=variant,
-        options=options,
-    )
+    """test_drafter's tiny drafter (H 32, 2 layers, taps [1, 3, 5], vocab 128) as `variant`."""
+    return tiny_cfg(init_std=0.2, variant=variant, options=options)
 
 
 def _inputs(seed=3, S=9):
