@@ -11,13 +11,17 @@ vLLM a failure); the project and reference engines run either way."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from dflash_trainer.eval.engines import DecodeEngine, EvalRun, ProjectLoop
+from dflash_trainer.eval.parity import PARITY_TOLERANCE, parity_gate
 from dflash_trainer.eval.reference import ReferenceLoop
-from dflash_trainer.eval.served import PARITY_TOLERANCE, ServedLoop, VLLMEngine, engine_target
+from dflash_trainer.eval.served import ServedLoop
 from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.vllm_engine import VLLMEngine, engine_target
 from memorised import BLOCK, NEW_TOKENS
 from test_vllm_parity import vllm_python
 
@@ -65,3 +69,9 @@ def test_project_reference_and_served_engines_agree_through_one_interface(memori
     assert [r.tokens for r in served.ar_results] == [r.tokens for r in s.spec_results]
     assert abs(served.tau - s.tau) <= PARITY_TOLERANCE * s.tau, (served.tau, s.tau)
     assert run.details["vllm"]["memorised"]  # the engine's own figures reach the record's payload
+    # the parity gate checks this comparison as it is: vLLM is not started a second time
+    cfg = copy.deepcopy(m.cfg)
+    cfg.eval.parity = "on"
+    rec = parity_gate(cfg, m.target, drafter, m.export_dir, [], "float32", run)
+    assert rec is not None and rec["parity/identical_to_ours"] == len(m.prompt_ids)
+    assert run.details["vllm"]["memorised"]["parity_problems"] == []

@@ -10,7 +10,8 @@ import pytest
 from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.metrics import summarize
-from dflash_trainer.eval.served import ServedEval, check_parity, parity_problems, served_result
+from dflash_trainer.eval.parity import check_parity, parity_problems
+from dflash_trainer.eval.served import ServedEval, served_result
 
 
 def test_counters_become_cycles_and_our_clipped_tau():
@@ -88,9 +89,13 @@ def test_the_parity_gate_runs_after_the_export_and_stops_the_run(tmp_path, monke
 
     seen = {}
 
-    def gate(cfg, target, drafter, export_dir, prompts, dtype):
+    def gate(cfg, target, drafter, export_dir, prompts, dtype, run):
         seen.update(
-            export=export_dir, prompts=prompts, dtype=dtype, block=drafter.config.block_size
+            export=export_dir,
+            prompts=prompts,
+            dtype=dtype,
+            block=drafter.config.block_size,
+            run=run,
         )
         raise UserError("train/serve parity failed: tau: vLLM 1.000 vs ours 2.000")
 
@@ -109,3 +114,52 @@ def test_the_parity_gate_runs_after_the_export_and_stops_the_run(tmp_path, monke
         seen["export"] == tmp_path / "run" / "export" and (seen["export"] / "config.json").is_file()
     )
     assert len(seen["prompts"]) == 2 and seen["dtype"] == "float32" and seen["block"] == 4
+    # the end-of-run evaluation is handed over: where it compared vLLM, that is what is checked
+    assert seen["run"] is not None and seen["run"].overall.num_responses >= 2
+
+
+def test_the_gate_checks_the_comparison_the_evaluation_made(tmp_path, monkeypatch):
+    """vLLM serves once: where the end-of-run evaluation compared vLLM greedily, the gate checks
+    those decodes and starts no engine; at temperature > 0 (a sampled comparison proves no
+    token parity) it serves its pinned prompts itself."""
+    from dflash_trainer.config import Config
+    from dflash_trainer.eval import parity
+    from dflash_trainer.eval.engines import EvalRun
+
+    starts = []
+    monkeypatch.setattr(
+        parity, "engine_for_config", lambda *a, **k: starts.append(1) or (None, "not here")
+    )
+    monkeypatch.setattr(parity, "logit_gap", lambda target, prompts: lambda i, a, b: 3.0)
+    (tmp_path / "config.json").write_text(
+        '{"block_size": 4, "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0}}'
+    )
+    spec = [_gen([5, 6, 7, 8, 9], [4]), _gen([1, 2, 3, 4, 5], [4])]
+    ours = summarize(spec, spec, 4)
+    cfg = Config()
+    cfg.eval.parity = "auto"
+
+    def run_with(served) -> EvalRun:
+        run = EvalRun(groups={"mt-bench": ours}, overall=ours)
+        run.compared = {"vllm": {"mt-bench": served.summary}}
+        run.details = {"vllm": {"mt-bench": {"vllm_mean_acceptance_length": 4.25}}}
+        return run
+
+    same = run_with(_served(spec, spec))
+    rec = parity.parity_gate(cfg, None, None, tmp_path, [[1]], "float32", same)
+    assert starts == []  # checked, not served again
+    assert rec is not None and rec["parity/prompts"] == 2 and rec["parity/identical_to_ours"] == 2
+    assert rec["parity/tau"] == rec["parity/tau_served"] == 4.0
+    assert rec["parity/served_mean_acceptance_length"] == 4.25 and rec["parity/served_lossless"]
+    assert same.details["vllm"]["mt-bench"]["parity_problems"] == []
+
+    low = run_with(_served([_gen([5, 6, 7, 8, 9], [1, 1, 1, 1]), spec[1]], spec))
+    with pytest.raises(
+        UserError, match="(?s)parity failed.*mt-bench: tau: vLLM 2.500 vs ours 4.000"
+    ):
+        parity.parity_gate(cfg, None, None, tmp_path, [[1]], "float32", low)
+    assert starts == []
+
+    cfg.eval.temperature = 0.7  # a sampled comparison: the gate serves its own greedy sample
+    assert parity.parity_gate(cfg, None, None, tmp_path, [[1]], "float32", same) is None
+    assert starts == [1]  # it tried to start vLLM (absent here: skipped under auto)

@@ -22,17 +22,16 @@ import pytest
 import torch
 
 from dflash_trainer.eval.evaluation import evaluate
+from dflash_trainer.eval.parity import PARITY_TOLERANCE, check_parity
 from dflash_trainer.eval.reference import reference_tau
-from dflash_trainer.eval.served import (
-    PARITY_TOLERANCE,
+from dflash_trainer.eval.served import served_evaluate
+from dflash_trainer.models.export import load_drafter
+from dflash_trainer.models.vllm_engine import (
     VLLMEngine,
-    check_parity,
     engine_target,
     find_vllm_python,
-    served_evaluate,
     vllm_unavailable,
 )
-from dflash_trainer.models.export import load_drafter
 from memorised import BLOCK, NEW_TOKENS
 
 

@@ -640,9 +640,10 @@ class EvalConfig:
     )
     parity: str = _f(
         "off",
-        "train/serve parity gate: serve the export in vLLM on a pinned sample (eval.parity_prompts "
-        "held-out prompts) and stop with an error when vLLM's tau or greedy output differs from "
-        "the project's loop. on = at the end of training (after the export) and in `eval`, an "
+        "train/serve parity gate: stop with an error when vLLM serving the export differs from "
+        "the project's loop in tau or greedy output, on the evaluation's own vLLM comparison "
+        "(eval.compare=vllm: vLLM serves once) or else on a pinned sample (eval.parity_prompts "
+        "held-out prompts). on = at the end of training (after the export) and in `eval`, an "
         "error where vLLM is missing; auto = the same where vLLM is installed, a warning "
         "elsewhere; off = never",
         choices=("off", "auto", "on"),

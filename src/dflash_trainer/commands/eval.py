@@ -16,19 +16,14 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.config_io import load_config
-from dflash_trainer.errors import UserError
 from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
 from dflash_trainer.eval.engines import EvalRun, compared_engines, comparison_engine
 from dflash_trainer.eval.evaluation import evaluate_datasets, load_eval_pair
 from dflash_trainer.eval.metrics import format_table, summarize
-from dflash_trainer.eval.served import (
-    find_vllm_python,
-    logit_gap,
-    parity_problems,
-    read_export_config,
-)
+from dflash_trainer.eval.parity import parity_error, served_problems
 from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.export import read_training
+from dflash_trainer.models.vllm_engine import find_vllm_python
 from dflash_trainer.observe.sinks import build_sinks
 from dflash_trainer.precision import dtype_label
 
@@ -116,10 +111,7 @@ def run(cfg: Config, args: Any) -> int:
     output.write_text(json.dumps(payload, indent=2), encoding="utf-8")
     log.info("eval: wrote %s", output)
     if problems and cfg.eval.parity != "off":
-        raise UserError(
-            "train/serve parity failed (vLLM serving the export disagrees with the project's "
-            "loop on the same prompts):\n  - " + "\n  - ".join(problems)
-        )
+        raise parity_error(problems)
     return 0
 
 
@@ -136,23 +128,19 @@ def engines_to_compare(cfg: Config) -> list[str]:
 
 
 def _report_compared(run_: EvalRun, cfg: Config, target: Any, drafter_dir: Path) -> list[str]:
-    """One line per dataset and compared engine; the parity problems of vLLM's decoding."""
-    problems = []
+    """One line per dataset and compared engine; the parity problems of vLLM's decoding
+    (eval/parity.py: the check on the comparison this evaluation made)."""
+    problems = served_problems(
+        run_, target, drafter_dir, cfg.target.model, cfg.eval.parity_tolerance
+    )
     for name, by_group in run_.compared.items():
         for k, s in by_group.items():
-            ours = run_.groups[k]
-            line = f"{k}: tau ours {ours.tau:.3f}, {name} {s.tau:.3f}"
-            if name == "vllm":  # the served engine decodes tokens: compare them with ours
-                gap = logit_gap(target, ours.prompts)
-                drafter_cfg = read_export_config(drafter_dir)
-                found = parity_problems(
-                    ours, s, drafter_cfg, cfg.target.model, cfg.eval.parity_tolerance, gap
-                )
-                same = sum(a.tokens == b.tokens for a, b in zip(s.spec_results, ours.spec_results))
-                run_.details[name][k].update(identical_to_ours=same, parity_problems=found)
-                line += f"; identical to ours on {same} of {s.num_responses}, "
+            line = f"{k}: tau ours {run_.groups[k].tau:.3f}, {name} {s.tau:.3f}"
+            if name == "vllm":  # the served engine decodes tokens: compared with ours
+                d = run_.details[name][k]
+                found = d["parity_problems"]
+                line += f"; identical to ours on {d['identical_to_ours']} of {s.num_responses}, "
                 line += s.lossless_line() + ("; PARITY: " + " | ".join(found) if found else "")
-                problems += [f"{k}: {p}" for p in found]
             print(line, flush=True)
     return problems
 

@@ -21,7 +21,8 @@ from dflash_trainer.errors import UserError
 from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import EvalSummary, tau_by_context
 from dflash_trainer.eval.reference import ReferenceLoop
-from dflash_trainer.eval.served import ServedLoop, engine_for_config
+from dflash_trainer.eval.served import ServedLoop
+from dflash_trainer.models.vllm_engine import engine_for_config
 
 # the engines an evaluation can compare against its own decoding (eval.compare)
 ENGINES = ("project", "reference", "vllm")

@@ -95,6 +95,7 @@ class PeriodicEval:
         self.prompts = [e.prompt for e in self.periodic]
         self.best = float("-inf")
         self.last_step = -1
+        self.final_run: EvalRun | None = None  # the end-of-run evaluation (the parity gate's)
         self.dtype = eval_dtype(cfg.eval.dtype, target.device, target.dtype) if ex else None
         # the target in eval.dtype (a cast copy when it differs), lazily
         self._target: TargetModel | None = None
@@ -293,6 +294,7 @@ class PeriodicEval:
         console = self.cfg.metrics.console
         with self.lock:
             rec, run = self._record(step, self.report, "heldout", console, decoded, export_dir)
+        self.final_run = run
         if console:
             print(format_table(run.groups), flush=True)
         return rec

@@ -25,7 +25,7 @@ from dflash_trainer.checkpoint import (
     contiguous_prefix,
 )
 from dflash_trainer.config import Config
-from dflash_trainer.eval.served import parity_gate
+from dflash_trainer.eval.parity import parity_gate
 from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.export import (
     export_drafter,
@@ -469,9 +469,10 @@ class Trainer:
         return rec
 
     def _parity_gate(self, export_dir: Path | None, reason: str) -> dict | None:
-        """eval.parity: the export served by vLLM on a pinned sample of the reported held-out
-        prompts must match our loop (eval/served.py: parity_gate); a UserError stops the run
-        after the checkpoint and the export are written. Rank 0; skipped after a signal."""
+        """eval.parity: vLLM serving the export must decode as our loop does (eval/parity.py):
+        the check on the end-of-run evaluation's vLLM comparison where it made one, else on a
+        pinned sample of the reported held-out prompts; a UserError stops the run after the
+        checkpoint and the export are written. Rank 0; skipped after a signal."""
         if self.cfg.eval.parity == "off" or self.rank != 0 or reason == "signal":
             return None
         ev = self.evaluator
@@ -482,7 +483,9 @@ class Trainer:
             return None
         target, drafter = ev.eval_target(), ev.exported_drafter(export_dir)  # in eval.dtype
         prompts = [e.prompt for e in pinned]
-        rec = parity_gate(self.cfg, target, drafter, export_dir, prompts, ev.dtype_name)
+        rec = parity_gate(
+            self.cfg, target, drafter, export_dir, prompts, ev.dtype_name, ev.final_run
+        )
         if rec:
             self.mon.log_event(rec, self.loop.state.step)
         return rec
