@@ -7,7 +7,7 @@ prompt (greedy, block 16, eval.dtype: fp32 on CPU), per source, with `eval/tau_s
 
 Recipes: the default (preset smollm2-cpu as shipped), the default without each lever:
   random-init   drafter.init=random instead of target
-  bf16          target.dtype=bfloat16 + pipeline.precision=bf16 (auto picks fp32 where bf16
+  bf16          target.dtype=bfloat16 + pipeline.precision=bfloat16 (auto picks fp32 where bf16
                 matmuls are emulated, bf16 where they are native)
   one-epoch     the recipe before the time budget: one pass over the data, no budget
   all-slots     objective.loss_slots=0: the LM head on every block slot
@@ -47,7 +47,7 @@ from dflash_trainer.run import train
 RECIPES = {
     "default": {},
     "random-init": {"drafter.init": "random"},
-    "bf16": {"target.dtype": "bfloat16", "pipeline.precision": "bf16"},
+    "bf16": {"target.dtype": "bfloat16", "pipeline.precision": "bfloat16"},
     "one-epoch": {"optim.time_budget_s": "0", "optim.epochs": "1"},
     "all-slots": {"objective.loss_slots": "0"},
     "no-cache": {"pipeline.feature_cache_gb": "0"},

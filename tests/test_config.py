@@ -3,8 +3,9 @@ import re
 
 import pytest
 
+from dflash_trainer import config_io
 from dflash_trainer.cli import main
-from dflash_trainer.config import RENAMED, Config, ConfigError
+from dflash_trainer.config import RENAMED, RENAMED_VALUES, Config, ConfigError
 from dflash_trainer.config_io import (
     all_keys,
     from_dict,
@@ -319,6 +320,32 @@ def test_a_renamed_key_is_an_error_that_names_the_new_one(tmp_path, old, new):
     assert all(get_value(cfg, n) == value for n in news)
 
 
+@pytest.mark.parametrize("key_old,new", sorted(RENAMED_VALUES.items()))
+def test_a_renamed_value_is_an_error_that_names_the_new_one(tmp_path, key_old, new):
+    """One precision vocabulary: an old spelling from a flag or a file is an error naming the
+    new one; a config saved by an older version (a checkpoint, an export's training.json) reads
+    it as the new one."""
+    key, old = key_old
+    assert new in _field(key).metadata["choices"] and old not in _field(key).metadata["choices"]
+    with pytest.raises(ConfigError, match=f"{key}: '{old}'.*renamed to '{new}'"):
+        load_config(None, None, [f"--{key}={old}"])
+    section, _, name = key.rpartition(".")
+    toml = tmp_path / "old.toml"
+    toml.write_text(f'[{section}]\n{name} = "{old}"\n')
+    with pytest.raises(ConfigError, match=f"{key}: '{old}'.*renamed to '{new}'"):
+        load_config(None, str(toml))
+    assert get_value(load_config(None, None, [], base={section: {name: old}}), key) == new
+    saved = config_io.to_dict(Config())
+    saved[section][name] = old
+    assert get_value(config_io.from_dict(saved), key) == new
+
+
+def _field(key):
+    section, _, name = key.rpartition(".")
+    holder = get_value(Config(), section) if section else Config()
+    return {f.name: f for f in dataclasses.fields(holder)}[name]
+
+
 def _another_valid_value(key):
     """A value `key` accepts that is not its default: another choice, or a number in range."""
     section, _, name = key.rpartition(".")
@@ -386,6 +413,6 @@ def test_a_presets_fp32_cpu_table_applies_where_the_drafter_trains_in_fp32(
     flags = config_io.load_config("p", overrides=["--objective.num_anchors=33"])
     assert flags.objective.num_anchors == 33  # a flag wins over the table, and is not said as its
     assert config_io.preset_kind_table("p", flags) == ({"optim.lr": 0.004} if fp32 else {})
-    bf16 = config_io.load_config("p", overrides=["--pipeline.precision=bf16"])
+    bf16 = config_io.load_config("p", overrides=["--pipeline.precision=bfloat16"])
     assert bf16.objective.num_anchors == 40  # the drafter autocasts: not the fp32 shape
-    assert config_io.load_config("p", overrides=["--pipeline.precision=fp32"]).optim.lr == 0.004
+    assert config_io.load_config("p", overrides=["--pipeline.precision=float32"]).optim.lr == 0.004

@@ -175,7 +175,7 @@ def test_training_record_names_the_target_an_engine_loads(tmp_path):
 def test_export_dtype_names_and_the_last_layer_tap_warning(tmp_path, caplog):
     from dflash_trainer.models.export import export_dtype, last_layer_tap_warning
 
-    assert export_dtype("bfloat16") is torch.bfloat16 and export_dtype("as_trained") is None
+    assert export_dtype("bfloat16") is torch.bfloat16 and export_dtype("keep") is None
     with pytest.raises(UserError):
         export_dtype("int8")
     m = _drafter()

@@ -39,7 +39,7 @@ def test_auto_follows_the_answer(cpu_native_bf16):
     assert P.resolve_dtype("auto", "cpu") == P.DTYPES[want]
     assert P.use_autocast("auto", "cpu") is cpu_native_bf16
     assert P.dtype_name("float32", "cpu") == "float32"  # explicit names are never resolved
-    assert P.use_autocast("fp32", "cpu") is False and P.use_autocast("bf16", "cpu") is True
+    assert P.use_autocast("float32", "cpu") is False and P.use_autocast("bfloat16", "cpu") is True
     assert P.dtype_name("auto", "cuda") == "bfloat16"  # every CUDA GPU this runs on has bf16
     assert f"auto = {want}" in P.cpu_kind()
 

@@ -449,9 +449,9 @@ class PipelineConfig:
     )
     precision: str = _f(
         "auto",
-        "drafter compute: auto = bf16 autocast where bf16 matmuls are native (CUDA, CPUs with "
-        "AVX512-BF16/AMX), else fp32",
-        choices=("auto", "fp32", "bf16"),
+        "drafter compute: auto = bfloat16 autocast where bf16 matmuls are native (CUDA, CPUs "
+        "with AVX512-BF16/AMX), else float32 (target.dtype's rule)",
+        choices=("auto", "float32", "bfloat16"),
     )
     fault: str = _f(
         "",
@@ -501,8 +501,8 @@ class CheckpointConfig:
         "dtype of the stored weights of every export the run writes (RUN_DIR/export, best/, each "
         "checkpoint's export/): bfloat16 runs in every engine (SGLang with --dtype auto takes the "
         "draft's dtype from its config.json: a float32 export becomes float16 beside a bf16 "
-        "target); float32 keeps the trained values exactly; as_trained = the training dtype",
-        choices=("bfloat16", "float32", "float16", "as_trained"),
+        "target); float32 keeps the trained values exactly; keep = the training dtype",
+        choices=("bfloat16", "float32", "float16", "keep"),
     )
 
 
@@ -719,8 +719,8 @@ class ExportConfig:
     out: str = _f("", "`export`: the output directory, new or an earlier export (required)")
     dtype: str = _f(
         "bfloat16",
-        "`export`: weights dtype (bfloat16 runs in every engine; as_stored = the source's dtype)",
-        choices=("bfloat16", "float32", "float16", "as_stored"),
+        "`export`: weights dtype (bfloat16 runs in every engine; keep = the source's dtype)",
+        choices=("bfloat16", "float32", "float16", "keep"),
     )
 
 
@@ -848,6 +848,16 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     "drafter.loss_slots": "objective.loss_slots",
     "drafter.hidden_weight": "objective.hidden_weight",
     "drafter.selector_weight": "objective.selector_weight",
+}
+
+# Values that were renamed: (key, old value) -> new value, treated like RENAMED (an error naming
+# the new value; a saved config's old value is read as the new one). Precision has one
+# vocabulary: torch's dtype names, and `keep` for "the weights' dtype as they are".
+RENAMED_VALUES: dict[tuple[str, str], str] = {
+    ("pipeline.precision", "fp32"): "float32",
+    ("pipeline.precision", "bf16"): "bfloat16",
+    ("checkpoint.export_dtype", "as_trained"): "keep",
+    ("export.dtype", "as_stored"): "keep",
 }
 
 

@@ -24,7 +24,14 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config import PRESET_DIR, RENAMED, Config, ConfigError, validate
+from dflash_trainer.config import (
+    PRESET_DIR,
+    RENAMED,
+    RENAMED_VALUES,
+    Config,
+    ConfigError,
+    validate,
+)
 from dflash_trainer.precision import use_autocast
 
 # The preset table applied where the drafter computes in fp32 on a CPU (module docstring).
@@ -186,10 +193,21 @@ def _renamed(key: str, origin: str, flag: bool = False) -> ConfigError:
     return ConfigError(f"'{dash}{key}' (from {origin}) was renamed to {new}; use the new name.")
 
 
+def renamed_value(key: str, value: Any) -> Any:
+    """The value an old value of `key` became (config.RENAMED_VALUES); `value` when it was not
+    renamed."""
+    return RENAMED_VALUES.get((key, value), value) if isinstance(value, str) else value
+
+
 def set_value(cfg: Config, key: str, value: Any, *, origin: str = "flag") -> None:
     fields = {k: (f, tp) for k, f, tp in iter_fields()}
     if key in RENAMED:
         raise _renamed(key, origin)
+    if renamed_value(key, value) != value:
+        raise ConfigError(
+            f"{key}: {value!r} (from {origin}) was renamed to {renamed_value(key, value)!r}; "
+            "use the new value."
+        )
     if key not in fields:
         raise ConfigError(
             f"unknown config key '{key}' (from {origin})."
@@ -283,7 +301,7 @@ def apply_saved(cfg: Config, saved: dict, origin: str) -> list[str]:
     flat = {new: v for k, v in _flatten(saved).items() for new in renamed_to(k)}
     for key, value in flat.items():
         if key in known:
-            set_value(cfg, key, value, origin=origin)
+            set_value(cfg, key, renamed_value(key, value), origin=origin)
     return sorted(k for k in flat if k not in known)
 
 
@@ -366,7 +384,8 @@ def to_dict(cfg: Any) -> dict:
 def from_dict(d: dict) -> Config:
     """Rebuild a Config from to_dict() output (checkpoints). Unknown keys are errors."""
     cfg = Config()
-    apply_mapping(cfg, d, origin="saved config")
+    for key, value in _flatten(d).items():  # older versions' values read as their new names
+        set_value(cfg, key, renamed_value(key, value), origin="saved config")
     return validate(cfg)
 
 

@@ -155,7 +155,7 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 
 def use_autocast(precision: str, device: str | torch.device) -> bool:
     """pipeline.precision: bf16 autocast for the drafter? auto = where bf16 is native."""
-    return precision == "bf16" or (precision == "auto" and native_bf16(device))
+    return precision == "bfloat16" or (precision == "auto" and native_bf16(device))
 
 
 def module_dtype(module: object, default: torch.dtype = torch.float32) -> torch.dtype:

@@ -59,7 +59,7 @@ def export(source, out, dtype: str = "bfloat16") -> tuple[Path, dict | None]:
     out = Path(out)
     _check_out(out, src)
     drafter = load_drafter(src)  # validates names, shapes and finiteness
-    export_drafter(drafter, out, export_dtype(dtype), training=rec)  # as_stored: unchanged
+    export_drafter(drafter, out, export_dtype(dtype), training=rec)  # keep: unchanged
     return out, rec
 
 

@@ -42,10 +42,10 @@ log = logging.getLogger(__name__)
 def export_dtype(name: str) -> torch.dtype | None:
     """checkpoint.export_dtype / `export.dtype` as a torch dtype (None: as trained / as stored).
     A library call's name is checked here too (the config checks its own)."""
-    if name in ("", "as_trained", "as_stored"):
+    if name in ("", "keep"):
         return None
     if name not in DTYPES:
-        raise UserError(f"export dtype '{name}' is not one of {sorted(DTYPES)}/as_trained.")
+        raise UserError(f"export dtype '{name}' is not one of {sorted(DTYPES)}/keep.")
     return DTYPES[name]
 
 

@@ -43,7 +43,7 @@ class StageBalance:
         if self.verdict == "drafter-bound":
             tip = (
                 "the target waits for the drafter: give the drafter more (more ranks via "
-                "torchrun, each with its own targets; pipeline.precision=bf16), lower "
+                "torchrun, each with its own targets; pipeline.precision=bfloat16), lower "
                 "objective.num_anchors, or use fewer target devices per drafter"
             )
         elif self.verdict == "target-bound":
