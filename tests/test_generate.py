@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -330,3 +331,91 @@ def test_resume_refuses_a_file_sampled_before_the_position_keyed_sampler(target,
     greedy = tmp_path / "greedy.jsonl"
     generate_responses(target, PROMPTS[:2], greedy, max_new_tokens=4, progress=False)
     assert "sampler" not in read(greedy)[0]["provenance"]
+
+
+# A stand-in for vLLM's worker (models/vllm_worker.py's protocol): it answers each prompt with
+# one token chosen by the prompt's length and the stop id, chunk by chunk into the stream file,
+# and dies after FAKE_VLLM_DIE_AFTER chunks (a crash or a kill mid-job).
+FAKE_VLLM = """#!{python}
+import json, os, sys, time
+req = json.load(open(sys.argv[2]))
+if os.environ.get("FAKE_VLLM_REQUEST"):
+    json.dump(req, open(os.environ["FAKE_VLLM_REQUEST"], "w"))
+die_after, chunk = int(os.environ.get("FAKE_VLLM_DIE_AFTER", "-1")), req["chunk"]
+for c, lo in enumerate(range(0, len(req["prompts"]), chunk)):
+    if c == die_after:
+        os._exit(9)
+    rows = [
+        {{"i": lo + j, "vllm_version": "fake", "tokens": [40 + len(p) % 20, 2]}}
+        for j, p in enumerate(req["prompts"][lo : lo + chunk])
+    ]
+    with open(req["stream"], "a") as f:
+        f.write("".join(json.dumps(r) + "\\n" for r in rows))
+    time.sleep(0.2)
+summary = {{"vllm_version": "fake", "startup_s": 0, "run_s": 0, "results": []}}
+json.dump(summary, open(sys.argv[3], "w"))
+"""
+
+
+def test_vllm_answers_land_chunk_by_chunk_and_a_kill_loses_at_most_one(
+    target, tmp_path, monkeypatch
+):
+    """generate.engine=vllm at scale: one engine for every prompt, its answers appended per
+    chunk while it runs; an engine that dies mid-job leaves every finished chunk on disk, and the
+    rerun answers only the rest, ending with the file an uninterrupted run writes."""
+    from dflash_trainer.models.vllm_engine import VLLMEngine
+
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM.format(python=sys.executable))
+    fake.chmod(0o755)
+    engine = VLLMEngine(fake, "unused-target", dtype="float32", engine_args={"x": 1})
+    how = dict(max_new_tokens=4, progress=False, engine="vllm", vllm=engine, chunk_prompts=2)
+    clean = tmp_path / "clean.jsonl"
+    assert generate_responses(target, PROMPTS, clean, **how)["written"] == 5
+    recs = read(clean)
+    assert [r["provenance"]["finish_reason"] for r in recs] == ["stop"] * 5
+    assert {r["provenance"]["vllm_version"] for r in recs} == {"fake"}
+
+    out = tmp_path / "gen.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_DIE_AFTER", "2")  # after 2 of 3 chunks
+    with pytest.raises(UserError, match="exit code 9"):
+        generate_responses(target, PROMPTS, out, **how)
+    assert len(read(out)) == 4  # both finished chunks are on disk
+    monkeypatch.delenv("FAKE_VLLM_DIE_AFTER")
+    request = tmp_path / "request.json"
+    monkeypatch.setenv("FAKE_VLLM_REQUEST", str(request))
+    stats = generate_responses(target, PROMPTS, out, **how)
+    assert stats["skipped_done"] == 4 and stats["written"] == 1
+    assert sorted(read(out), key=lambda r: r["id"]) == sorted(recs, key=lambda r: r["id"])
+    req = json.loads(request.read_text())
+    assert len(req["prompts"]) == 1 and req["chunk"] == 2 and req["extra_engine_args"] == {"x": 1}
+
+
+def test_vllm_engine_arguments_are_key_value_pairs():
+    from dflash_trainer.config import ConfigError, engine_args
+    from dflash_trainer.config_io import load_config
+
+    args = ["tensor_parallel_size=2", "enforce_eager=false", "quantization=fp8"]
+    assert engine_args(args) == {
+        "tensor_parallel_size": 2,
+        "enforce_eager": False,
+        "quantization": "fp8",
+    }
+    with pytest.raises(ConfigError, match="generate.vllm_args: 'tensor parallel' is not KEY=VALUE"):
+        load_config(None, None, ["--generate.vllm_args=tensor parallel"])
+
+
+def test_shards_split_the_prompts_without_talking():
+    """generate.shard=I/N: N processes answer disjoint sets of prompts that together are all of
+    them, each deciding from the prompt ids alone."""
+    from dflash_trainer.config import ConfigError, shard_of
+    from dflash_trainer.config_io import load_config
+
+    ids = [f"conv-{i}" for i in range(300)]
+    parts = [{p for p in ids if gen.in_shard(p, i, 4)} for i in range(4)]
+    assert sorted(p for part in parts for p in part) == sorted(ids)  # each exactly once
+    assert all(50 < len(part) < 100 for part in parts)  # and spread evenly
+    assert shard_of("") == (0, 1) and shard_of("3/8") == (3, 8)
+    for bad in ("8/8", "1", "a/2", "-1/2"):
+        with pytest.raises(ConfigError, match=f"generate.shard: '{bad}' is not I/N"):
+            load_config(None, None, [f"--generate.shard={bad}"])

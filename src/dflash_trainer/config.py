@@ -684,6 +684,12 @@ class GenerateConfig:
         "", "`generate`: output JSONL, appended, resumable ('' = RUN_DIR/generated.jsonl)"
     )
     limit: int = _f(0, "`generate`: only the first N prompts (0 = all)", unit="prompts", min=0)
+    shard: str = _f(
+        "",
+        "`generate`: I/N answers only the prompts of shard I of N (by a hash of each prompt's "
+        "id; '' = all): N processes, one per GPU (CUDA_VISIBLE_DEVICES), each with its own "
+        "generate.out, answer a data set in parallel; train on every shard's file",
+    )
     # Sized for the CPU demo's embedded data set (most answers end before 192 tokens). Batch 64:
     # with the KV cache written in place (models/kv_cache.py) a step's cost is mostly reading
     # the weights, so more rows per step pay: on a 2-core EPYC, 64 middle-length prompts ran
@@ -706,6 +712,19 @@ class GenerateConfig:
         "provenance; auto = vllm where installed (bf16/fp16 targets, jobs of >= 2048 prompts x "
         "tokens), else hf",
         choices=("auto", "hf", "vllm"),
+    )
+    chunk_prompts: int = _f(
+        512,
+        "engine vllm: one engine generates every prompt, its answers appended to the output every "
+        "N prompts (a kill loses at most one chunk; the next run resumes after the last)",
+        unit="prompts",
+        min=1,
+    )
+    vllm_args: list[str] = _f(
+        [],
+        "engine vllm: more arguments of vLLM's LLM(...) as KEY=VALUE (VALUE read as JSON where it "
+        "parses), over the project's own, e.g. tensor_parallel_size=2, enforce_eager=false (CUDA "
+        "graphs), max_model_len=8192, gpu_memory_utilization=0.9",
     )
 
 
@@ -861,8 +880,39 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
 }
 
 
+def engine_args(items: list[str], key: str = "generate.vllm_args") -> dict[str, Any]:
+    """KEY=VALUE entries as keyword arguments (VALUE as JSON where it parses, else the string)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip().isidentifier():
+            raise ConfigError(
+                f"{key}: '{item}' is not KEY=VALUE with KEY an argument name of vLLM's LLM(...), "
+                "e.g. tensor_parallel_size=2."
+            )
+        try:
+            out[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name.strip()] = value
+    return out
+
+
+def shard_of(spec: str) -> tuple[int, int]:
+    """generate.shard "I/N" as (I, N); (0, 1) for '' (every prompt)."""
+    if not spec:
+        return 0, 1
+    i, slash, n = spec.partition("/")
+    if not (slash and i.strip().isdigit() and n.strip().isdigit() and int(i) < int(n)):
+        raise ConfigError(
+            f"generate.shard: '{spec}' is not I/N with 0 <= I < N (e.g. 3/8: the fourth of 8)."
+        )
+    return int(i), int(n)
+
+
 def validate(cfg: Config) -> Config:
     """Cross-field checks that a single field's range cannot express."""
+    engine_args(cfg.generate.vllm_args)
+    shard_of(cfg.generate.shard)
     d = cfg.drafter
     if d.num_heads and d.num_kv_heads and d.num_heads % d.num_kv_heads:
         raise ConfigError(

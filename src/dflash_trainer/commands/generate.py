@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, shard_of
 from dflash_trainer.data.chat import Rendering
-from dflash_trainer.data.generate import generate_with, load_prompts, print_summary
+from dflash_trainer.data.generate import generate_with, in_shard, load_prompts, print_summary
 from dflash_trainer.data.synthesize import SOURCE as SYNTH
 from dflash_trainer.data.synthesize import prompts_path, synthesized_prompts
 from dflash_trainer.layout import RunLayout
@@ -40,5 +40,9 @@ def run(cfg: Config, args) -> int:
         prompts = synthesized_prompts(cfg, target, prompts_path(out), g.engine)
     if g.limit > 0:
         prompts = prompts[: g.limit]
+    shard, shards = shard_of(g.shard)
+    if shards > 1:
+        prompts = [p for p in prompts if in_shard(p.id, shard, shards)]
+        log.info("generate: shard %d of %d: %d prompts", shard, shards, len(prompts))
     print_summary(generate_with(cfg, target, prompts, out))
     return 0

@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, engine_args
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.chat import Rendering, prompt_messages, render_text
 from dflash_trainer.data.sources import load_sources
@@ -182,6 +182,12 @@ def decode_batch(
     return [(r.tokens[:-1] if r.stopped else r.tokens, r.stopped) for r in out]
 
 
+def in_shard(pid: str, shard: int, shards: int) -> bool:
+    """Is prompt `pid` in shard `shard` of `shards` (generate.shard)? A function of the id
+    alone, so every process of a sharded job agrees without talking to the others."""
+    return zlib.crc32(pid.encode()) % shards == shard
+
+
 def row_seed(seed: int, pid: str) -> int:
     """A prompt's sampling seed: a function of the run's seed and the prompt id only, so a
     sampled answer does not depend on the batch it ran in (resumed runs are reproducible)."""
@@ -211,24 +217,17 @@ def _generate_batch(
     return records, new_tokens
 
 
-def _generate_vllm(vllm, target, todo, settings, seed, provenance, rendering) -> tuple:
-    """Records for every prompt of `todo` from one vLLM engine call, and the new tokens they
-    hold (the stop token counted, as in the HF path)."""
+def _generate_vllm(vllm, target, todo, settings, seed, provenance, rendering, path, stats, bar):
+    """Every prompt of `todo` through one vLLM engine, generated in chunks of
+    settings["chunk_prompts"]; each chunk's records are appended to `path` as it lands (a kill
+    loses at most one chunk), counted into `stats` (new tokens: the stop token counted, as in the
+    loop's path)."""
     if vllm is None:
         raise UserError("generate: engine vllm needs a vLLM engine (models/vllm_engine.py).")
     stop = [int(s) for s in target.eos_token_ids]
-    res = vllm.run(
-        [t[2] for t in todo],
-        settings["max_new_tokens"],
-        stop_ids=stop,
-        temperature=settings["temperature"],
-        top_p=settings["top_p"],
-        seed=seed,
-        mode="generate",
-    )
+    tok = target.tokenizer
     sampling = {
         "engine": "vllm",
-        "vllm_version": res.get("vllm_version"),
         "dtype": vllm.dtype,
         "sampling": {
             "temperature": settings["temperature"],
@@ -238,16 +237,43 @@ def _generate_vllm(vllm, target, todo, settings, seed, provenance, rendering) ->
             "stop_token_ids": stop,
         },
     }
-    tok = target.tokenizer
-    records, new_tokens = [], 0
-    for (pid, msgs, _), r in zip(todo, res["results"]):
-        row = [int(t) for t in r["tokens"]]
-        stopped = bool(row) and row[-1] in stop
-        text = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
-        prov = {**provenance, **sampling, "finish_reason": "stop" if stopped else "length"}
-        records.append(answer_record(rendering, pid, msgs, text, prov))
-        new_tokens += len(row)
-    return records, new_tokens
+    t0 = time.perf_counter()
+
+    def write(results: list[tuple[int, dict]]) -> None:
+        records, new_tokens = [], 0
+        for i, r in results:
+            pid, msgs, _ = todo[i]
+            row = [int(t) for t in r["tokens"]]
+            stopped = bool(row) and row[-1] in stop
+            text = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
+            made = {"vllm_version": r.get("vllm_version"), **sampling}
+            fin = {"finish_reason": "stop" if stopped else "length"}
+            records.append(answer_record(rendering, pid, msgs, text, {**provenance, **made, **fin}))
+            new_tokens += len(row)
+        _append_records(path, records)
+        _count_batch(stats, len(records), new_tokens, t0)
+        bar.update(len(records))
+        bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
+
+    # vLLM's version reaches the records from the engine's first chunk on (the worker's summary
+    # comes at the end): the records name the engine, dtype and sampling; the version is logged
+    res = vllm.generate(
+        [t[2] for t in todo],
+        settings["max_new_tokens"],
+        write,
+        chunk=settings["chunk_prompts"],
+        stop_ids=stop,
+        temperature=settings["temperature"],
+        top_p=settings["top_p"],
+        seed=seed,
+    )
+    log.info(
+        "generate: vLLM %s, engine start %.0f s, %d prompts in chunks of %d",
+        res.get("vllm_version"),
+        res.get("startup_s", 0.0),
+        len(todo),
+        settings["chunk_prompts"],
+    )
 
 
 def generate_responses(
@@ -266,6 +292,7 @@ def generate_responses(
     vllm: Any = None,
     extra_provenance: dict | None = None,
     capture: Any = None,
+    chunk_prompts: int = 512,
 ) -> dict:
     """Append one record per not-yet-done prompt to `out_path`. Returns counts and tokens/s.
 
@@ -275,8 +302,9 @@ def generate_responses(
     Batches are left padded; prompts are sorted by length so a batch wastes little padding.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
     `engine`: "hf" = the project's decode loop (decode/loop.py), batched; "vllm" = vLLM's offline
-    engine (`vllm`: a models/vllm_engine.VLLMEngine serving this target), all prompts in one call
-    (resumable per call, not per batch), its sampling parameters in each record's provenance.
+    engine (`vllm`: a models/vllm_engine.VLLMEngine serving this target), one engine for all
+    prompts, its records appended every `chunk_prompts` prompts (a kill loses at most one chunk),
+    its sampling parameters in each record's provenance.
     Every record's provenance names the engine, the seed and the target's dtype (a sampled
     answer is reproducible from them), plus `extra_provenance` (e.g. the target revision).
     `capture` (engine hf): a pipeline.feature_cache.CapturedFeatures kept for training's first
@@ -302,18 +330,17 @@ def generate_responses(
     eos = list(target.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     t0 = time.perf_counter()
-    if engine == "vllm":
-        records, stats["new_tokens"] = _generate_vllm(
-            vllm, target, todo, settings, seed, provenance, rendering
-        )
-        _append_records(path, records)
-        stats["written"] = len(records)
-        return _timed(stats, t0)
-    if engine != "hf":
+    if engine not in ("hf", "vllm"):
         raise UserError(f"generate: engine '{engine}' is not one of hf, vllm.")
     with showing_progress(
         len(todo) + len(done), initial=len(done), desc="generate", unit="prompt", enabled=progress
     ) as bar:
+        if engine == "vllm":
+            settings["chunk_prompts"] = chunk_prompts
+            _generate_vllm(
+                vllm, target, todo, settings, seed, provenance, rendering, path, stats, bar
+            )
+            return _timed(stats, t0)
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
             records, new_tokens = _generate_batch(
@@ -460,6 +487,7 @@ def choose_engine(cfg: Config, choice: str, budget: int) -> tuple[str, VLLMEngin
     if eng is None:
         log.info("generate: vLLM not available (%s); the project's decode loop", why)
         return "hf", None
+    eng.engine_args = engine_args(cfg.generate.vllm_args)
     log.info("generate: vLLM (%s) serving %s in %s", eng.python, eng.target, dtype)
     return "vllm", eng
 
@@ -489,6 +517,7 @@ def generate_with(cfg: Config, target, prompts, out, capture=None) -> dict:
         seed=cfg.seed,
         progress=cfg.metrics.console,
         capture=capture,
+        chunk_prompts=cfg.generate.chunk_prompts,
     )
     engine, vllm = choose_engine(cfg, choice, len(prompts) * cfg.generate.max_new_tokens)
     try:

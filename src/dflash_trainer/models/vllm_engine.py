@@ -19,8 +19,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +37,58 @@ INSTALL_HINT = (
 )
 
 
-def _run_group(cmd: list[str], log_file: Any, env: dict, cwd: str, timeout_s: float) -> int:
-    """Run the worker in a process group of its own and wait at most `timeout_s`; on a timeout,
-    an error or an interrupt here, kill the whole group: vLLM's engine-core and worker processes
-    are the worker's children and would otherwise outlive it, holding cores and memory."""
+def _run_group(
+    cmd: list[str],
+    log_file: Any,
+    env: dict,
+    cwd: str,
+    timeout_s: float,
+    progress: Callable[[], bool] | None = None,
+) -> int:
+    """Run the worker in a process group of its own; on a timeout, an error or an interrupt here,
+    kill the whole group: vLLM's engine-core and worker processes are the worker's children and
+    would otherwise outlive it, holding cores and memory. Without `progress` the worker has
+    `timeout_s` in all; with it, `progress()` is called every second (True: the worker made
+    progress) and the worker is stopped after `timeout_s` without any."""
     proc = subprocess.Popen(
         cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
     )
     try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise UserError(
-            f"vLLM did not finish within {timeout_s:.0f} s and was stopped; "
-            "fewer prompts per call or a larger timeout (VLLMEngine.timeout_s)."
-        ) from None
+        last = time.monotonic()
+        while True:
+            wait = 1.0 if progress else max(0.0, timeout_s - (time.monotonic() - last))
+            try:
+                return proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                if progress is not None and progress():
+                    last = time.monotonic()
+                if time.monotonic() - last >= timeout_s:
+                    raise UserError(
+                        f"vLLM made no progress within {timeout_s:.0f} s and was stopped; "
+                        "fewer prompts per call or chunk, or a larger timeout "
+                        "(VLLMEngine.timeout_s)."
+                    ) from None
     finally:
         if proc.poll() is None or _group_alive(proc.pid):
             _kill_group(proc.pid)
             proc.wait(timeout=30)
+
+
+class _Lines:
+    """The complete JSON lines appended to `path` since the last read."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def read(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 def _group_alive(pgid: int) -> bool:
@@ -153,6 +187,8 @@ class VLLMEngine:
     kv_cache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE (CPU build)
     timeout_s: float = 1800.0
     threads: int = 0  # OMP_NUM_THREADS for the CPU build (0 = leave as is)
+    # more arguments of vLLM's LLM(...), over the worker's own (generate.vllm_args)
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
     def run(
         self,
@@ -170,49 +206,15 @@ class VLLMEngine:
     ) -> dict:
         """The worker's result dict (models/vllm_worker.py) for `prompts`. `n` > 1 (mode
         "generate"): that many sampled continuations per prompt, each result's "samples"."""
-        req = {
-            "target": self.target,
-            "drafter": str(Path(drafter).resolve()) if drafter else None,
+        req = self._request(prompts, max_new_tokens, stop_ids, temperature, top_p, seed, mode)
+        req.update(
+            drafter=str(Path(drafter).resolve()) if drafter else None,
             # vLLM ignores the export's block_size: the block is 1 + num_speculative_tokens
-            "num_speculative_tokens": block_size - 1,
-            "prompts": [list(map(int, p)) for p in prompts],
-            "max_tokens": max_new_tokens,
-            "stop_token_ids": list(map(int, stop_ids)),
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": int(top_k),
-            "seed": seed,
-            "mode": mode,
-            "n": int(n),
-            "dtype": self.dtype,
-            "max_model_len": self.max_model_len,
-            "kv_cache_gb": self.kv_cache_gb,
-            "extra_engine_args": {"revision": self.revision} if self.revision else {},
-        }
-        env = dict(os.environ)
-        if self.threads:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        env.pop("PYTHONPATH", None)  # the project's src must not shadow the venv's packages
-        with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
-            rq, out, logf = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "log"
-            rq.write_text(json.dumps(req), encoding="utf-8")
-            t0 = time.perf_counter()
-            with open(logf, "w", encoding="utf-8") as lf:
-                returncode = _run_group(
-                    [str(self.python), str(WORKER), str(rq), str(out)], lf, env, tmp, self.timeout_s
-                )
-            if returncode != 0 or not out.is_file():
-                tail = "\n".join(
-                    logf.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
-                )
-                raise UserError(
-                    f"vLLM ({self.python}) failed with exit code {returncode} serving target "
-                    f"'{self.target}'"
-                    + (f" with drafter '{drafter}'" if drafter else "")
-                    + f":\n{tail}"
-                )
-            res = json.loads(out.read_text(encoding="utf-8"))
-        res["wall_s"] = time.perf_counter() - t0
+            num_speculative_tokens=block_size - 1,
+            top_k=int(top_k),
+            n=int(n),
+        )
+        res = self._launch(req, None, None)
         log.info(
             "vLLM %s: %d prompts%s, engine start %.0f s, decode %.0f s",
             res.get("vllm_version"),
@@ -221,4 +223,96 @@ class VLLMEngine:
             res.get("startup_s", 0.0),
             res.get("run_s", 0.0),
         )
+        return res
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        on_results: Callable[[list[tuple[int, dict]]], None],
+        *,
+        chunk: int,
+        stop_ids: Sequence[int] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> dict:
+        """Regeneration at scale: one engine generates `prompts` in calls of `chunk`, and each
+        chunk's results reach `on_results` as (prompt index, result) pairs while the engine goes
+        on with the next (the caller appends them to its output: a kill loses at most one chunk).
+        `timeout_s` bounds the time without a finished chunk, not the whole job. Returns the
+        worker's summary (version, start-up and run seconds; its "results" empty)."""
+        req = self._request(prompts, max_new_tokens, stop_ids, temperature, top_p, seed, "generate")
+        req["chunk"] = int(chunk)
+        return self._launch(req, "stream.jsonl", on_results)
+
+    def _request(self, prompts, max_new_tokens, stop_ids, temperature, top_p, seed, mode) -> dict:
+        return {
+            "target": self.target,
+            "drafter": None,
+            "num_speculative_tokens": 0,
+            "prompts": [list(map(int, p)) for p in prompts],
+            "max_tokens": max_new_tokens,
+            "stop_token_ids": list(map(int, stop_ids)),
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": 0,
+            "seed": seed,
+            "mode": mode,
+            "n": 1,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "kv_cache_gb": self.kv_cache_gb,
+            "extra_engine_args": {
+                **({"revision": self.revision} if self.revision else {}),
+                **self.engine_args,
+            },
+        }
+
+    def _launch(
+        self,
+        req: dict,
+        stream: str | None,
+        on_results: Callable[[list[tuple[int, dict]]], None] | None,
+    ) -> dict:
+        """One worker process for `req`; with `stream`, the worker's chunk lines go to
+        `on_results` as they land."""
+        env = dict(os.environ)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        env.pop("PYTHONPATH", None)  # the project's src must not shadow the venv's packages
+        with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
+            rq, out, logf = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "log"
+            lines = _Lines(Path(tmp) / stream) if stream else None
+            if lines is not None:
+                req["stream"] = str(lines.path)
+
+            def progress() -> bool:
+                assert lines is not None and on_results is not None
+                got = lines.read()
+                if got:
+                    on_results([(int(r.pop("i")), r) for r in got])
+                return bool(got)
+
+            rq.write_text(json.dumps(req), encoding="utf-8")
+            t0 = time.perf_counter()
+            cmd = [str(self.python), str(WORKER), str(rq), str(out)]
+            with open(logf, "w", encoding="utf-8") as lf:
+                returncode = _run_group(
+                    cmd, lf, env, tmp, self.timeout_s, progress if lines is not None else None
+                )
+            if lines is not None:
+                progress()  # the lines of the last chunk
+            if returncode != 0 or not out.is_file():
+                tail = "\n".join(
+                    logf.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
+                )
+                raise UserError(
+                    f"vLLM ({self.python}) failed with exit code {returncode} serving target "
+                    f"'{self.target}'"
+                    + (f" with drafter '{req['drafter']}'" if req.get("drafter") else "")
+                    + f":\n{tail}"
+                )
+            res = json.loads(out.read_text(encoding="utf-8"))
+        res["wall_s"] = time.perf_counter() - t0
         return res

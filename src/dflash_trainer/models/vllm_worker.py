@@ -14,7 +14,11 @@ Request (JSON):
   max_tokens, stop_token_ids, temperature, top_p, top_k   SamplingParams
   seed             the engine's seed (LLM(seed=...)); no per-request seed (see SamplingParams)
   mode             "decode": acceptance per prompt (prompts one at a time, batch 1 like the
-                   project's loop); "generate": all prompts in one call (regeneration)
+                   project's loop); "generate": the prompts in calls of `chunk` (default all)
+  stream           "generate": a file each chunk's results are appended to as JSON lines
+                   ({"i": prompt index, "vllm_version", "tokens"}) as soon as the chunk ends
+                   (regeneration at scale: the caller writes them out while the engine goes
+                   on); the result file's "results" is then empty
   n                "generate": continuations sampled per prompt (prompt synthesis; default 1);
                    with n > 1 each result also holds "samples", every continuation's token ids
   dtype, max_model_len, enforce_eager, kv_cache_gb, extra_engine_args
@@ -86,6 +90,23 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def _generated(o, n: int) -> dict:
+    """One prompt's generation: its first continuation's token ids, and with n > 1 every one."""
+    res: dict = {"tokens": list(o.outputs[0].token_ids)}
+    if n > 1:
+        res["samples"] = [list(c.token_ids) for c in o.outputs]
+    return res
+
+
+def _append_lines(path: str, rows: list[dict]) -> None:
+    """One chunk's results as whole JSON lines, flushed to disk before the next chunk starts:
+    the caller appends them to its output as they land (a kill loses at most one chunk)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def main(argv: list[str]) -> int:
     _die_with_parent()
     req_path, out_path = argv[1], argv[2]
@@ -136,11 +157,22 @@ def main(argv: list[str]) -> int:
     results: list[dict] = []
     t1 = time.perf_counter()
     if req.get("mode", "decode") == "generate":
-        for o in llm.generate(prompts, sp, use_tqdm=False):
-            res: dict = {"tokens": list(o.outputs[0].token_ids)}
-            if sp.n > 1:
-                res["samples"] = [list(c.token_ids) for c in o.outputs]
-            results.append(res)
+        stream, chunk = req.get("stream"), int(req.get("chunk") or len(prompts) or 1)
+        for lo in range(0, len(prompts), chunk):
+            done = [
+                _generated(o, sp.n)
+                for o in llm.generate(prompts[lo : lo + chunk], sp, use_tqdm=False)
+            ]
+            if stream:
+                _append_lines(
+                    stream,
+                    [
+                        {"i": lo + j, "vllm_version": vllm.__version__, **r}
+                        for j, r in enumerate(done)
+                    ],
+                )
+            else:
+                results += done
     else:
         spec = bool(req.get("drafter"))
         for p in prompts:
