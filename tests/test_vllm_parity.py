@@ -121,8 +121,15 @@ def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path, cap
     engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
     how = dict(max_new_tokens=NEW_TOKENS, batch_size=len(m.picked), progress=False)
     hf = generate_responses(m.target, m.picked, tmp_path / "hf.jsonl", **how)
+    # chunks of 4 prompts: the real worker streams each chunk's answers as it ends
     vl = generate_responses(
-        m.target, m.picked, tmp_path / "vllm.jsonl", engine="vllm", vllm=engine, **how
+        m.target,
+        m.picked,
+        tmp_path / "vllm.jsonl",
+        engine="vllm",
+        vllm=engine,
+        chunk_prompts=4,
+        **how,
     )
 
     def read(name):
@@ -141,6 +148,7 @@ def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path, cap
     prov = next(iter(b.values()))["provenance"]
     assert prov["engine"] == "vllm" and prov["sampling"]["temperature"] == 0.0
     assert prov["sampling"]["max_tokens"] == NEW_TOKENS and prov["sampling"]["stop_token_ids"]
+    assert prov["vllm_version"].startswith("0.")
 
 
 @pytest.mark.slow
