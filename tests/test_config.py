@@ -196,6 +196,7 @@ PINNED_KEYS = {
         "drafter_device",
         "work_queue_size",
         "hs_queue_size",
+        "memory_plan",
         "cpu_threads",
         "target_thread_share",
         "share_cores",
@@ -411,11 +412,28 @@ def test_a_presets_fp32_cpu_table_applies_where_the_drafter_trains_in_fp32(
     assert cfg.objective.num_anchors == (20 if fp32 else 40) and cfg.objective.loss_slots == 4
     assert cfg.optim.lr == (0.004 if fp32 else config_io.Config().optim.lr)
     assert config_io.preset_kind_table("p", cfg) == (
-        {"objective.num_anchors": 20, "optim.lr": 0.004} if fp32 else {}
+        ("fp32_cpu", {"objective.num_anchors": 20, "optim.lr": 0.004}) if fp32 else ("", {})
     )
     flags = config_io.load_config("p", overrides=["--objective.num_anchors=33"])
     assert flags.objective.num_anchors == 33  # a flag wins over the table, and is not said as its
-    assert config_io.preset_kind_table("p", flags) == ({"optim.lr": 0.004} if fp32 else {})
+    assert config_io.preset_kind_table("p", flags) == (
+        ("fp32_cpu", {"optim.lr": 0.004}) if fp32 else ("", {})
+    )
     bf16 = config_io.load_config("p", overrides=["--pipeline.precision=bfloat16"])
     assert bf16.objective.num_anchors == 40  # the drafter autocasts: not the fp32 shape
     assert config_io.load_config("p", overrides=["--pipeline.precision=float32"]).optim.lr == 0.004
+
+
+@pytest.mark.parametrize("card_gib,applies", [(79.2, True), (139.8, False), (0.0, False)])
+def test_a_presets_gpu_80gb_table_applies_on_an_80gb_card(monkeypatch, card_gib, applies):
+    """qwen3-8b's [gpu_80gb]: where the drafter's GPU has ~80 GB (H100, A100 80 GB), the shape
+    its memory plan fits (bench/RESULTS.md); an H200 (141 GB) and a CPU keep the preset's own."""
+    from dflash_trainer import config_io
+
+    monkeypatch.setattr(config_io, "card_memory_gib", lambda device: card_gib)
+    cfg = config_io.load_config("qwen3-8b")
+    table, shape = config_io.preset_kind_table("qwen3-8b", cfg)
+    assert (table == "gpu_80gb") is applies
+    assert cfg.batching.max_batch_size == (4 if applies else 8)
+    assert cfg.optim.grad_accum == (2 if applies else 1)  # the same rows per optimizer step
+    assert cfg.objective.num_anchors == 512  # the recipe's anchors per row on every card

@@ -598,3 +598,51 @@ def test_hidden_regression_of_the_target_itself_is_zero():
     assert with_h.metrics[with_h.metric_names.index("hidden")] == 0
     with pytest.raises(ValueError, match="hidden_weight"):
         obj.loss_from_hidden(hidden, lm_head, labels, lv, valid)
+
+
+def test_a_batch_computes_only_the_blocks_its_rows_can_fill():
+    """Per-batch anchors (objective.step_anchors): where no row has num_anchors anchor
+    positions, the step computes fewer blocks per row, and the loss, every metric and every
+    gradient are those of the full num_anchors step (the dropped blocks are padding, the anchors
+    the same): useful work only, the same training."""
+    from dflash_trainer.pipeline.prefetcher import build_batch
+
+    ids, lm, feats = _data()
+    counts = (lm[:, :-1] & lm[:, 1:]).sum(1)  # [12, 6, 0]: the naive count
+    obj = DFlashObjective(BS, num_anchors=64, mask_token_id=MASK)
+    n = obj.step_anchors(counts)
+    assert n == 16  # 12 rounded up to a multiple of 64 / 8, far below 64
+    results = []
+    for anchors in (None, n):
+        drafter, embed, lm_head = _setup()
+        out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5),
+                  num_anchors=anchors)  # fmt: skip
+        out.loss.backward()
+        grads = [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+        results.append((out.loss.detach(), out.metrics, grads))
+    (l64, m64, g64), (l16, m16, g16) = results
+    torch.testing.assert_close(l16, l64)
+    torch.testing.assert_close(m16, m64)
+    for a, b in zip(g16, g64, strict=True):
+        torch.testing.assert_close(a, b)
+    assert obj.query_tokens(counts, 3) == (12 + 6 + 0) * BS  # useful blocks only
+    assert obj.query_tokens(None, 3) == 3 * 64 * BS
+    # the prefetcher counts the same positions on the host
+    ds = type("D", (), {"lengths": torch.tensor([20, 20, 20]).numpy(),
+                         "input_ids": ids.numpy(), "loss_mask": lm.numpy()})()  # fmt: skip
+    assert build_batch(ds, [0, 1, 2], 4, 0).anchor_counts.tolist() == counts.tolist()
+
+
+def test_batch_anchors_take_few_shapes_and_never_drop_an_anchor():
+    obj = DFlashObjective(16, num_anchors=512)
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(500):
+        counts = torch.randint(0, 2000, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        counts = (counts.float() * torch.rand(counts.shape, generator=g) ** 3).long()
+        n = obj.step_anchors(counts)
+        assert n >= min(512, int(counts.max()))  # every row keeps every anchor it can have
+        assert n <= 512 and n % 64 == 0
+        seen.add(n)
+    assert len(seen) <= 8 and 512 in seen and len(seen) > 2
+    assert obj.step_anchors(None) == 512 and obj.step_anchors(torch.zeros(3).long()) == 64

@@ -91,6 +91,8 @@ SCRIPTS = [
     "bench_generate.py",
     "bench_capture.py",
     "bench_decode.py",
+    "bench_memory_plan.py",
+    "bench_anchors.py",
 ]
 
 

@@ -390,6 +390,14 @@ class PipelineConfig:
     drafter_device: str = _f("cpu", "device of the drafter worker")
     work_queue_size: int = _f(4, "prefetcher -> target queue capacity", unit="batches", min=1)
     hs_queue_size: int = _f(2, "target -> drafter queue capacity", unit="batches", min=1)
+    memory_plan: str = _f(
+        "refuse",
+        "at start-up, plan what the drafter's device holds at the largest batch (parameters, "
+        "AdamW state, the step's measured peak, features in flight, a target there) and refuse "
+        "a plan over 92% of the device naming the knobs (refuse), only warn (warn), or skip "
+        "the plan (off)",
+        choices=("refuse", "warn", "off"),
+    )
     cpu_threads: int = _f(
         0, "torch intra-op threads in total (0 = all cores)", unit="threads", min=0
     )

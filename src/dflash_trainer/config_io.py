@@ -2,11 +2,13 @@
 
     defaults  <  preset (presets/NAME.toml)  <  --config FILE.toml  <  --section.field=value
 
-A preset may hold a `[fp32_cpu]` table: its shape where the drafter trains on a CPU in float32
-(no native bf16: `auto` precision on an AVX2 CPU), applied right after the preset's own values
-(so a config file or a flag still wins), because there a step costs about twice what it costs in
-bf16 and the recipe that fits a wall-time budget differs (presets/smollm2-cpu.toml says what was
-measured). `preset_kind_table` names what it set.
+A preset may hold tables for a kind of drafter device (DEVICE_TABLES), applied right after the
+preset's own values (so a config file or a flag still wins): `[fp32_cpu]` where the drafter
+trains on a CPU in float32 (no native bf16: `auto` precision on an AVX2 CPU), because there a step
+costs about twice what it costs in bf16 and the recipe that fits a wall-time budget differs
+(presets/smollm2-cpu.toml says what was measured); `[gpu_80gb]` where the drafter's GPU has ~80
+GB, the shape its memory plan fits (presets/qwen3-8b.toml). `preset_kind_table` names what it
+set.
 
 `load_config` applies them in that order; each value is coerced to its field's type and checked
 against its range (config.py declares both). Unknown keys are errors that suggest the closest
@@ -24,6 +26,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dflash_trainer.config import (
     PRESET_DIR,
     RENAMED,
@@ -36,6 +40,7 @@ from dflash_trainer.precision import use_autocast
 
 # The preset table applied where the drafter computes in fp32 on a CPU (module docstring).
 FP32_CPU_TABLE = "fp32_cpu"
+GPU_80GB_TABLE = "gpu_80gb"
 
 # --------------------------------------------------------------------------------------------
 # Introspection
@@ -311,13 +316,15 @@ def load_config(
     overrides: list[str] | tuple = (),
     base: dict | None = None,
 ) -> Config:
-    """defaults < `base` (a saved config, e.g. an export's training config) < preset (its
-    [fp32_cpu] table too, where the drafter trains in fp32 on a CPU) < --config file < flags."""
+    """defaults < `base` (a saved config, e.g. an export's training config) < preset (and its
+    device table, DEVICE_TABLES, where the run's drafter device is of that kind) < --config
+    file < flags."""
     mapping = _preset_mapping(preset) if preset else {}
-    kind = mapping.pop(FP32_CPU_TABLE, None)
+    tables = {name: mapping.pop(name) for name in DEVICE_TABLES if name in mapping}
     cfg = _compose(mapping, preset, config_file, overrides, base)
-    if kind is not None and drafter_fp32_cpu(cfg):
-        cfg = _compose(mapping, preset, config_file, overrides, base, kind)
+    name = device_table(cfg, tables)
+    if name is not None:
+        cfg = _compose(mapping, preset, config_file, overrides, base, (name, tables[name]))
     return validate(cfg)
 
 
@@ -327,16 +334,42 @@ def drafter_fp32_cpu(cfg: Config) -> bool:
     return p.drafter_device.startswith("cpu") and not use_autocast(p.precision, p.drafter_device)
 
 
-def preset_kind_table(preset: str | None, cfg: Config) -> dict[str, Any]:
-    """The values `preset`'s [fp32_cpu] table set in `cfg` ({} when it has none or the drafter
-    does not train in fp32 on a CPU): what a run says it adapted to this CPU."""
-    if not preset or not drafter_fp32_cpu(cfg):
-        return {}
-    table = _flatten(_preset_mapping(preset).get(FP32_CPU_TABLE, {}))
+def card_memory_gib(device: str) -> float:
+    """Memory of CUDA device `device` in GiB (0 where there is none)."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return 0.0
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory / (1 << 30)
+
+
+def drafter_on_80gb_card(cfg: Config) -> bool:
+    """Is the drafter's device a GPU of at most ~80 GB (an H100 or A100 80 GB: 79.2 GiB)?"""
+    return 0 < card_memory_gib(cfg.pipeline.drafter_device) < 100
+
+
+# A preset's tables for a kind of drafter device, applied after the preset's own values where
+# the run's drafter device is of that kind (the first that applies): its shape there, measured.
+DEVICE_TABLES = {FP32_CPU_TABLE: drafter_fp32_cpu, GPU_80GB_TABLE: drafter_on_80gb_card}
+
+
+def device_table(cfg: Config, tables) -> str | None:
+    """The name of the first of `tables` (names of DEVICE_TABLES) that applies to `cfg`."""
+    return next((n for n in DEVICE_TABLES if n in tables and DEVICE_TABLES[n](cfg)), None)
+
+
+def preset_kind_table(preset: str | None, cfg: Config) -> tuple[str, dict[str, Any]]:
+    """(the device table of `preset` that `cfg` runs under, the values it set in `cfg`);
+    ("", {}) when none applies: what a run says it adapted to its device."""
+    if not preset:
+        return "", {}
+    tables = {n: t for n, t in _preset_mapping(preset).items() if n in DEVICE_TABLES}
+    name = device_table(cfg, tables)
+    if name is None:
+        return "", {}
+    table = _flatten(tables[name])
     as_set = Config()
-    apply_mapping(as_set, table, origin=f"preset {preset} [{FP32_CPU_TABLE}]")
+    apply_mapping(as_set, table, origin=f"preset {preset} [{name}]")
     # only the values that still hold: a config file or a flag may have set another
-    return {k: _value(cfg, k) for k in table if _value(cfg, k) == _value(as_set, k)}
+    return name, {k: _value(cfg, k) for k in table if _value(cfg, k) == _value(as_set, k)}
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -361,15 +394,15 @@ def _compose(
     config_file: str | None,
     overrides: list[str] | tuple,
     base: dict | None,
-    kind: dict | None = None,
+    table: tuple[str, dict] | None = None,
 ) -> Config:
     cfg = Config()
     if base:
         apply_saved(cfg, base, origin="the recorded training config")
     if preset:
         apply_mapping(cfg, mapping, origin=f"preset {preset}")
-    if kind:
-        apply_mapping(cfg, kind, origin=f"preset {preset} [{FP32_CPU_TABLE}]")
+    if table:
+        apply_mapping(cfg, table[1], origin=f"preset {preset} [{table[0]}]")
     if config_file:
         apply_mapping(cfg, load_toml(config_file), origin=str(config_file))
     for k, v in parse_overrides(list(overrides)):

@@ -61,11 +61,11 @@ def _demo(cfg: Config, t_all: float, preset: str | None = None) -> int:
     torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
     phases = Phases()
     _say(f"CPU: {cpu_kind()}, {torch.get_num_threads()} threads")
-    shape = preset_kind_table(preset, cfg)
-    if shape:
+    table, shape = preset_kind_table(preset, cfg)
+    if table == FP32_CPU_TABLE:
         _say(
             f"    the drafter trains in float32 here (no native bf16): preset {preset}'s "
-            f"[{FP32_CPU_TABLE}] shape, " + ", ".join(f"{k}={v}" for k, v in shape.items())
+            f"[{table}] shape, " + ", ".join(f"{k}={v}" for k, v in shape.items())
         )
     _say(f"1/5 target {cfg.target.model} (dtype {cfg.target.dtype})")
     target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])

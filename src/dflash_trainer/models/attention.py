@@ -25,6 +25,7 @@ Three implementations behind one function, ``block_attention(..., impl=...)``:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -172,7 +173,24 @@ def split_attention(q, k, v, anchors, block_valid, block_size, scale=None):
 
 
 def _split_chunk_blocks(B, hq, bs, S) -> int:
-    return max(1, _SPLIT_CHUNK_ELEMS // (B * hq * bs * max(S, bs)))
+    return max(1, (_SPLIT_CHUNK_ELEMS * _chunk_scale) // (B * hq * bs * max(S, bs)))
+
+
+_chunk_scale = 1
+
+
+@contextlib.contextmanager
+def coarser_split_chunks(factor: int):
+    """Split attention in chunks `factor` times larger while inside: for the memory plan's fake
+    step (run/memory_plan.py), which pays per op, not per element. Its chunk temporaries grow by
+    the same factor (each ~4 MiB at 1), which the plan then counts. Start-up only: the scale is
+    module state, not meant for a run's threads."""
+    global _chunk_scale
+    before, _chunk_scale = _chunk_scale, max(1, int(factor))
+    try:
+        yield
+    finally:
+        _chunk_scale = before
 
 
 class _SplitAttention(torch.autograd.Function):

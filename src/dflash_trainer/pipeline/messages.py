@@ -24,6 +24,10 @@ class Batch:
     loss_mask: torch.Tensor  # [B, S] bool: assistant tokens
     sample_ids: torch.Tensor  # [B] long: index into the dataset (sample ledger)
     num_real_tokens: int  # unpadded tokens, computed on CPU before any H2D
+    # [B] long, CPU: positions that can anchor a block in each row (a supervised token whose
+    # successor is supervised too), counted on the host, so the drafter step computes only the
+    # blocks a batch can fill (train/objective.py step_anchors) with no device read
+    anchor_counts: torch.Tensor | None = None
 
     @property
     def num_padded_tokens(self) -> int:
@@ -35,6 +39,7 @@ class Batch:
             self.loss_mask.pin_memory(),
             self.sample_ids,
             self.num_real_tokens,
+            self.anchor_counts,
         )
 
 
@@ -70,6 +75,7 @@ class HiddenBatch:
     target_hidden: torch.Tensor | None = None
     # assembled from the feature cache (pipeline/feature_cache.py): the target did not run
     from_cache: bool = False
+    anchor_counts: torch.Tensor | None = None  # [B] CPU: Batch.anchor_counts
 
 
 @dataclass

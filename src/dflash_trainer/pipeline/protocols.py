@@ -71,6 +71,10 @@ class DrafterStepFn(Protocol):
 
     def __call__(self, hb: HiddenBatch, step: int, meter: StepMeter | None = None) -> bool: ...
 
+    def query_tokens(self, hb: HiddenBatch) -> int:
+        """Block tokens of `hb` that hold an anchor: what the drafter's FLOPs count."""
+        ...
+
 
 class Objective(Protocol):
     """The drafter's loss on one batch of target features (train/objective.py)."""
@@ -83,6 +87,14 @@ class Objective(Protocol):
     @property
     def needs_target_hidden(self) -> bool: ...
 
+    def step_anchors(self, anchor_counts: torch.Tensor | None) -> int:
+        """Blocks per row for a batch whose rows have `anchor_counts` anchor positions."""
+        ...
+
+    def query_tokens(self, anchor_counts: torch.Tensor | None, rows: int) -> int:
+        """Block tokens of such a batch that hold an anchor (the rest are padding)."""
+        ...
+
     def __call__(
         self,
         drafter: nn.Module,
@@ -93,6 +105,7 @@ class Objective(Protocol):
         loss_mask: torch.Tensor,
         generator: torch.Generator | None = None,
         target_hidden: torch.Tensor | None = None,
+        num_anchors: int | None = None,
     ) -> StepOutput: ...
 
 

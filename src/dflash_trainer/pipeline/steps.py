@@ -95,6 +95,7 @@ class TargetStep:
                 num_real_tokens=b.num_real_tokens,
                 target_hidden=hit[1],
                 from_cache=True,
+                anchor_counts=b.anchor_counts,
             )
         with _on(self.stream):
             tok = self.timer.start(self.stream)
@@ -134,6 +135,7 @@ class TargetStep:
             num_real_tokens=b.num_real_tokens,
             ready_event=event,
             target_hidden=final,
+            anchor_counts=b.anchor_counts,
         )
 
 
@@ -176,6 +178,11 @@ class DrafterStep:
         self.timer = StepTimer(self.device)
         self.micro = 0
 
+    def query_tokens(self, hb: HiddenBatch) -> int:
+        """Block tokens of `hb` that hold an anchor (padding blocks are not useful work): what
+        the drafter's FLOP count and MFU credit. Host counts only."""
+        return self.objective.query_tokens(hb.anchor_counts, int(hb.input_ids.shape[0]))
+
     def _wait_for(self, hb: HiddenBatch) -> None:
         """CUDA: this stream waits on the producer's event and records its use of the tensors
         (record_stream), so their memory outlives this step's use."""
@@ -211,6 +218,8 @@ class DrafterStep:
             if self.autocast_bf16
             else contextlib.nullcontext()
         )
+        anchors = self.objective.step_anchors(hb.anchor_counts)  # host counts: no device read
+        meter.gauge("anchors", float(anchors))
         stepped = (self.micro + 1) % self.grad_accum == 0
         # DDP: only the micro-step that completes an optimizer step all-reduces gradients; the
         # others accumulate locally (forward and backward must both run inside no_sync).
@@ -227,6 +236,7 @@ class DrafterStep:
                     hb.loss_mask,
                     self.generator,
                     hb.target_hidden,
+                    num_anchors=anchors,
                 )
             meter.lap("drafter_fwd")
             (out.loss / self.grad_accum).backward()

@@ -148,7 +148,6 @@ class StepLoop:
         max_steps: int,
         hooks: StepHooks | None = None,
         ledger: list[tuple[int, list[int]]] | None = None,
-        queries_per_row: int = 0,
         budget: TimeBudget | None = None,
         team: DrafterTeam | None = None,
     ):
@@ -162,7 +161,6 @@ class StepLoop:
         self.stopped_by_vote = False
         # (epoch, sample ids) since the last checkpoint took them
         self.ledger: list[tuple[int, list[int]]] = [] if ledger is None else ledger
-        self.queries_per_row = queries_per_row  # anchors x block size (drafter FLOP counting)
 
     def consume(self, hb: HiddenBatch, counters: WorkerCounters) -> bool:
         """Train on one HiddenBatch. Returns False when max_steps is reached."""
@@ -192,7 +190,7 @@ class StepLoop:
         counters.items += int(hb.sample_ids.numel())
         counters.tokens += hb.num_real_tokens
         counters.padded_tokens += int(hb.input_ids.numel())
-        counters.query_tokens += hb.input_ids.shape[0] * self.queries_per_row
+        counters.query_tokens += self.step_fn.query_tokens(hb)  # useful blocks only
         counters.gauges["epoch"] = float(hb.epoch)
         if stepped:
             self.state.step += 1

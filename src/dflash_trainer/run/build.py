@@ -30,6 +30,7 @@ from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.pipeline.protocols import Target
 from dflash_trainer.precision import use_autocast
 from dflash_trainer.run import rundir
+from dflash_trainer.run.memory_plan import MemoryPlan, plan_memory
 from dflash_trainer.train.budget import TimeBudget
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
@@ -67,6 +68,7 @@ class RunParts:
     total_steps: int
     lr_segments: list
     budget: TimeBudget | None = None  # optim.time_budget_s: training stops when it is spent
+    memory: MemoryPlan | None = None  # what the drafter's device holds (pipeline.memory_plan)
 
 
 def thread_split(cfg: Config) -> tuple[int, int]:
@@ -218,6 +220,14 @@ def drafter_heads(target, drafter: DFlashDrafter, device: torch.device, autocast
     return embed_weight, lm_head
 
 
+def co_located_target_bytes(cfg: Config, target, device: torch.device) -> int:
+    """The target's weight bytes where a target worker runs on the drafter's device (its
+    workers there share one copy), else 0."""
+    if all(torch.device(d) != device for d in cfg.pipeline.target_devices):
+        return 0
+    return sum(p.numel() * p.element_size() for p in target.model.parameters())
+
+
 def claim_run_dir(cfg: Config, rank: int) -> Path | None:
     """One run per directory (run/rundir.py): rank 0 refuses, resumes or moves an earlier run
     aside before this run writes anything there. Returns the checkpoint to start from (None:
@@ -308,6 +318,22 @@ def build_run(
     autocast = use_autocast(p.precision, device)
     feature_dtype = torch.bfloat16 if device.type == "cuda" else next(drafter.parameters()).dtype
     objective = build_objective(cfg, drafter)
+    memory = None
+    if p.memory_plan != "off":  # before any run state exists: a refusal loses nothing
+        memory = plan_memory(
+            cfg,
+            drafter,
+            objective,
+            int(target.vocab_size),
+            device,
+            autocast,
+            feature_dtype,
+            target_bytes=co_located_target_bytes(cfg, target, device),
+            world_size=world_size,
+        )
+        for line in memory.lines():
+            log.info(line)
+        memory.check(p.memory_plan)
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     # This rank's position in the checkpoint, known before the LR schedule is built.
     plan = None
@@ -360,4 +386,5 @@ def build_run(
         total_steps=total_steps,
         lr_segments=lr_segments,
         budget=budget,
+        memory=memory,
     )

@@ -210,7 +210,6 @@ class Trainer:
             max_steps=parts.total_steps,
             hooks=self.hooks,
             ledger=ledger,
-            queries_per_row=cfg.objective.num_anchors * cfg.drafter.block_size,
             budget=parts.budget,
         )
         self.stop = threading.Event()
@@ -219,6 +218,8 @@ class Trainer:
         self.own_monitor = monitor is None
         self.mon = self._build_monitor(monitor)
         self.hooks.mon = self.logged.mon = self.mon
+        if parts.memory is not None and self.rank == 0:
+            self.mon.log_event(parts.memory.record(), self.start_steps)
         self.hooks.counters = self.threads[-1].counters
         if observe and self.rank == 0 and cfg.metrics.console:
             self.hooks.progress(self.start_steps)

@@ -133,14 +133,41 @@ class DFlashObjective:
         return torch.where(k >= 1, w, torch.zeros_like(w))
 
     # ------------------------------------------------------------------------------------ data
-    def sample_anchors(self, loss_mask: torch.Tensor, generator: torch.Generator | None = None):
-        """loss_mask [B,S] -> anchors [B,N] long (sorted, valid first), block_valid [B,N] bool.
+    def step_anchors(self, anchor_counts: torch.Tensor | None) -> int:
+        """Blocks per row for a batch whose rows have `anchor_counts` ([B], CPU) anchor
+        positions: num_anchors, or fewer where no row can fill them, rounded up to a multiple of
+        num_anchors / 8 (at most 8 shapes, so compiled kernels meet few). Every row then keeps
+        every anchor it had: the blocks dropped are padding blocks, whose loss weight is 0, and
+        the anchors come from the same random keys, so the loss is the same (tests/
+        test_objective.py). None (a batch from elsewhere) = num_anchors."""
+        if anchor_counts is None or anchor_counts.numel() == 0:
+            return self.num_anchors
+        q = max(1, self.num_anchors // 8)
+        most = int(anchor_counts.max())  # a CPU tensor: no device read
+        return min(self.num_anchors, max(q, -(-most // q) * q))
+
+    def query_tokens(self, anchor_counts: torch.Tensor | None, rows: int) -> int:
+        """Block tokens of a batch that hold an anchor (what the FLOP count and MFU credit):
+        `rows` rows of `anchor_counts` ([B], CPU) anchor positions, rows x num_anchors blocks
+        when unknown."""
+        if anchor_counts is None:
+            return rows * self.num_anchors * self.block_size
+        return int(anchor_counts.clamp(max=self.num_anchors).sum()) * self.block_size
+
+    def sample_anchors(
+        self,
+        loss_mask: torch.Tensor,
+        generator: torch.Generator | None = None,
+        num_anchors: int | None = None,
+    ):
+        """loss_mask [B,S] -> anchors [B,N] long (sorted, valid first), block_valid [B,N] bool,
+        N = `num_anchors` (default the objective's).
 
         Padding anchors are 0 (they are masked out everywhere). generator must live on
         loss_mask's device.
         """
         B, S = loss_mask.shape
-        N = self.num_anchors
+        N = num_anchors or self.num_anchors
         dev = loss_mask.device
         lm = loss_mask.bool()
         ok = lm[:, :-1] & lm[:, 1:]  # p in 0..S-2
@@ -211,12 +238,14 @@ class DFlashObjective:
         loss_mask: torch.Tensor,
         generator: torch.Generator | None = None,
         target_hidden: torch.Tensor | None = None,
+        num_anchors: int | None = None,
     ) -> StepOutput:
         """`target_hidden` [B,S,H]: the target's final normed hidden states, needed (and only
-        read) when `needs_target_hidden` (kd_weight or hidden_weight > 0)."""
+        read) when `needs_target_hidden` (kd_weight or hidden_weight > 0). `num_anchors`: blocks
+        per row for this batch (step_anchors; default objective.num_anchors)."""
         B, S = input_ids.shape
-        bs, N = self.block_size, self.num_anchors
-        anchors, block_valid = self.sample_anchors(loss_mask, generator)
+        bs, N = self.block_size, num_anchors or self.num_anchors
+        anchors, block_valid = self.sample_anchors(loss_mask, generator, N)
         if self.feature_noise > 0:
             taps = unwrap(drafter).config.num_features
             features = add_feature_noise(features, self.feature_noise, taps, generator)
