@@ -98,3 +98,62 @@ def test_two_target_workers_resume_exactly_after_sigterm(tmp_path, swapped_hando
     ledger = _ledger(res.run_dir)
     for epoch in range(3):
         assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
+
+
+_KILLED_RUN = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from dflash_trainer.pipeline import workers
+from dflash_trainer.pipeline.messages import HiddenBatch
+from dflash_trainer.run import train
+from tiny import tiny_config, tiny_dataset, tiny_target
+
+put = workers.BoundedQueue.put
+
+def late_put(self, item, stop, *a, **kw):  # as the swapped_handoffs fixture
+    if isinstance(item, HiddenBatch) and item.seq_no % 3 == 0:
+        time.sleep(0.15)
+    return put(self, item, stop, *a, **kw)
+
+workers.BoundedQueue.put = late_put
+over = {over!r}
+train(tiny_config(Path({root!r}), **over), target=tiny_target(), train_set=tiny_dataset())
+"""
+
+
+def test_two_target_workers_resume_exactly_after_sigkill(tmp_path, swapped_handoffs):
+    """SIGKILL after a checkpoint (no graceful stop: the process dies where it stands, with two
+    target workers and reordered hand-offs): the resumed run starts at the checkpoint and trains
+    the uninterrupted run's steps, losses and ledger exactly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    full = _run(tmp_path / "full", **TWO, **{"checkpoint.every_steps": 4})
+    root = tmp_path / "run2"
+    # the drafter stalls at step 14, after the checkpoint of step 12: killed there
+    over = {**TWO, "checkpoint.every_steps": 4, "pipeline.fault": "drafter:14:hang"}
+    code = _KILLED_RUN.format(tests=os.path.dirname(__file__), over=over, root=str(root))
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    latest = root / "run" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip().endswith("12"):
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    assert latest.read_text().strip().endswith("12")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    cfg = tiny_config(root, **TWO, **{"checkpoint.every_steps": 4, "checkpoint.resume": True})
+    res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
+    lf, lr = _losses(full), _losses(res)
+    assert min(lr) == 13 and max(lr) == full.steps
+    for step in lr:
+        assert lr[step] == pytest.approx(lf[step], rel=1e-5, abs=1e-6), step
+    ledger = _ledger(res.run_dir)
+    for epoch in range(3):
+        assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
+    assert ledger == _ledger(full.run_dir)
