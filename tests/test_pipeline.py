@@ -290,3 +290,20 @@ def test_the_target_step_keeps_one_causal_mask_whatever_the_lengths():
         ids = torch.randint(1, 100, (2, n), generator=g)
         torch.testing.assert_close(target.features(ids, mask), target.features(ids, None))
     assert step._mask is not None and step._mask.shape[-1] == 192  # 131 rounded up to 64
+
+
+def test_the_causal_mask_memory_stays_one_mask_at_8k_tokens():
+    """At 8K tokens and many lengths under it (a long-context data set), the target step holds
+    one 8K x 8K mask (256 MiB in fp32), never one per length (a mask per padded length reached
+    tens of GiB)."""
+    from dflash_trainer.pipeline.steps import TargetStep
+
+    step = TargetStep(tiny_target(), torch.device("cpu"), torch.float32)
+    first = step._causal_mask(8192)
+    storage = first.untyped_storage().data_ptr()
+    g = torch.Generator().manual_seed(0)
+    for n in torch.randint(1, 8193, (200,), generator=g).tolist():
+        m = step._causal_mask(n)
+        assert m.shape[-1] == n and m.untyped_storage().data_ptr() == storage
+    assert step._mask is not None and step._mask.untyped_storage().nbytes() == 8192 * 8192 * 4
+    assert step._mask[0, 0, 8190, 8191] < -1e30 and step._mask[0, 0, 8191, 8190] == 0
