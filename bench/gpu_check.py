@@ -9,7 +9,10 @@ synthetic token data of realistic lengths. Measures, in one run:
   - observability on vs off (monitor, sinks, metrics ring, NVML telemetry vs none of it)
   - zero-sync check: the pipelined run under torch.cuda.set_sync_debug_mode("warn"), counting
     warnings raised from worker threads (must be 0)
-  - memory peaks
+  - memory peaks, and the memory plan made at start-up beside them (run/memory_plan.py)
+  - per-step losses of the pipelined and the sequential schedule on the same batches (an unsafe
+    hand-off between the streams shows as a difference or as skipped non-finite steps; any skip
+    is a failure)
 Each phase is independent: one that fails records its traceback and the others still run, so a
 device lease is never spent for nothing. Results are written after every phase to
 bench/out/gpu_check.json (and $OUT when set), with the pipelined run's metrics.jsonl beside it.
@@ -114,6 +117,9 @@ def make_cfg(run_dir, schedule, steps, device, tiny):
             "--batching.max_tokens=16384",
             "--checkpoint.keep_last=1",
             "--objective.num_anchors=512",
+            # target and drafter share the one GPU here: the plan is recorded beside the
+            # allocator's peak (a check of the plan on CUDA), not a reason to stop
+            "--pipeline.memory_plan=warn",
             *(TINY_DRAFTER if tiny else []),
         ],
     )
@@ -156,8 +162,11 @@ def run(target, ds, schedule, steps, args, observe=True, sync_check=False, keep_
         "peak_mem_gib": cuda_mem_gib(),
         "balance": r.balance,
         "metrics": {
-            k: v for k, v in r.metrics.items() if k.startswith(("tput/", "mem/", "gpu", "queue"))
+            k: v
+            for k, v in r.metrics.items()
+            if k.startswith(("tput/", "mem/", "gpu", "queue", "drafter/"))
         },
+        "losses": {int(step): float(m["loss"]) for step, m in r.history if "loss" in m},
     }
     return row, hits
 
@@ -257,6 +266,12 @@ def _table(rep: Report, r: dict, t_all: float) -> list[tuple]:
     pipe, seq, off, sync = r["pipe"], r["seq"], r["off"], r["sync"]
     pipes = [x["tok_s"] for x in (pipe, r["pipe2"]) if x]
     nan = float("nan")
+    pm = get(pipe, "metrics", {}) or {}
+    skipped = max((get(x, "metrics", {}) or {}).get("drafter/skipped_total", 0.0)
+                  for x in (pipe, seq, off, r["pipe2"]))  # fmt: skip
+    la, lb = get(pipe, "losses", {}) or {}, get(seq, "losses", {}) or {}
+    common = sorted(set(la) & set(lb))
+    loss_gap = max((abs(la[k] - lb[k]) / max(abs(lb[k]), 1e-9) for k in common), default=nan)
     return [
         ("device", rep.data["env"]["device"]),
         ("bf16 matmul 8192^3 TFLOP/s (measured)", get(rep.data["phases"], "matmul_bf16_tflops")),
@@ -277,6 +292,16 @@ def _table(rep: Report, r: dict, t_all: float) -> list[tuple]:
         ),
         ("sync warnings from worker threads", len(sync["hits"]) if sync else "n/a"),
         ("peak memory GiB (pipelined)", get(pipe, "peak_mem_gib")),
+        (
+            "memory plan GiB (drafter + co-located target, at the largest batch)",
+            pm.get("mem/plan_gib", nan),
+        ),  # fmt: skip
+        (
+            "memory plan / allocator peak (pipelined)",
+            pm.get("mem/plan_gib", nan) / get(pipe, "peak_mem_gib"),
+        ),  # fmt: skip
+        ("per-step loss, pipelined vs sequential: largest relative difference", loss_gap),
+        ("skipped (non-finite) optimizer steps, any run: must be 0", skipped),
         ("peak memory GiB (sequential)", get(seq, "peak_mem_gib")),
         ("balance (pipelined)", get(pipe, "balance", "")),
         ("mean sequence length", rep.data["mean_sequence_length"]),
