@@ -26,6 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dflash_trainer import bench_harness, config_io
+from dflash_trainer.bench_harness import QWEN3_8B_SHAPE
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.run.build import build_objective
 from dflash_trainer.run.memory_plan import HEADROOM, GiB, plan_memory
@@ -37,17 +38,7 @@ def qwen3_8b_target():
     """What the plan reads of a Qwen3-8B target, without its weights."""
     from transformers import Qwen3Config
 
-    config = Qwen3Config(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        rope_theta=1e6,
-        max_position_embeddings=40960,
-    )
+    config = Qwen3Config(**QWEN3_8B_SHAPE, rope_theta=1e6, max_position_embeddings=40960)
     return SimpleNamespace(
         hidden_size=4096,
         num_layers=36,

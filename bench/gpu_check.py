@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import synthetic_dataset  # noqa: E402
+from dflash_trainer.bench_harness import QWEN3_8B_SHAPE  # noqa: E402
 from dflash_trainer.config_io import load_config  # noqa: E402
 from dflash_trainer.models.target import TargetModel, tap_layer_ids  # noqa: E402
 from dflash_trainer.observe.flops import peak_tflops  # noqa: E402
@@ -53,15 +54,7 @@ from dflash_trainer.run.trainer import Trainer  # noqa: E402
 Trainer.checkpoint_now = lambda self, background=False: None
 Trainer._export_final = lambda self: None
 
-QWEN3_8B = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-)
+QWEN3_8B = QWEN3_8B_SHAPE
 TINY = dict(
     vocab_size=512,
     hidden_size=64,

@@ -352,9 +352,7 @@ def _field(key):
 
 def _another_valid_value(key):
     """A value `key` accepts that is not its default: another choice, or a number in range."""
-    section, _, name = key.rpartition(".")
-    holder = get_value(Config(), section) if section else Config()
-    f = {f.name: f for f in dataclasses.fields(holder)}[name]
+    f = _field(key)
     default, m = f.default, f.metadata
     if m.get("choices"):
         return next(c for c in m["choices"] if c != default)

@@ -79,6 +79,18 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, n: int = 1024, reps: int =
 # for a full and a --bench.quick run; the full ones keep the bench within about 20 minutes on 2
 # cores where the script's own defaults size a longer study, bench/LOG.md) and bench_rows
 # (its JSON summary, the last stdout line, as table rows: `row`).
+# Qwen3-8B's shape (its config.json), for the benches that build a target of that size with no
+# download: random weights (bench/gpu_check.py) or none at all (bench/bench_memory_plan.py).
+QWEN3_8B_SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+
 SCRIPTS = [
     "bench_batching.py",
     "bench_attention.py",
