@@ -107,6 +107,38 @@ def _append_lines(path: str, rows: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
+def _run_prompts(llm, sp, req: dict, prompts: list[dict], version: str) -> list[dict]:
+    """The request's prompts through the engine: "generate" in calls of `chunk` (streamed to
+    the request's `stream` file as each ends, then the returned list is empty), "decode" one
+    prompt at a time with its own spec-decode counters."""
+    results: list[dict] = []
+    if req.get("mode", "decode") == "generate":
+        stream, chunk = req.get("stream"), int(req.get("chunk") or len(prompts) or 1)
+        for lo in range(0, len(prompts), chunk):
+            done = [
+                _generated(o, sp.n)
+                for o in llm.generate(prompts[lo : lo + chunk], sp, use_tqdm=False)
+            ]
+            if stream:
+                _append_lines(
+                    stream,
+                    [{"i": lo + j, "vllm_version": version, **r} for j, r in enumerate(done)],
+                )
+            else:
+                results += done
+        return results
+    spec = bool(req.get("drafter"))
+    for p in prompts:
+        before = _counters(llm) if spec else {}
+        ts = time.perf_counter()
+        o = llm.generate([p], sp, use_tqdm=False)[0]
+        r: dict = {"tokens": list(o.outputs[0].token_ids), "seconds": time.perf_counter() - ts}
+        if spec:
+            r.update(_diff(_counters(llm), before))
+        results.append(r)
+    return results
+
+
 def main(argv: list[str]) -> int:
     _die_with_parent()
     req_path, out_path = argv[1], argv[2]
@@ -154,35 +186,8 @@ def main(argv: list[str]) -> int:
         n=int(req.get("n", 1)),
     )
     prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in req["prompts"]]
-    results: list[dict] = []
     t1 = time.perf_counter()
-    if req.get("mode", "decode") == "generate":
-        stream, chunk = req.get("stream"), int(req.get("chunk") or len(prompts) or 1)
-        for lo in range(0, len(prompts), chunk):
-            done = [
-                _generated(o, sp.n)
-                for o in llm.generate(prompts[lo : lo + chunk], sp, use_tqdm=False)
-            ]
-            if stream:
-                _append_lines(
-                    stream,
-                    [
-                        {"i": lo + j, "vllm_version": vllm.__version__, **r}
-                        for j, r in enumerate(done)
-                    ],
-                )
-            else:
-                results += done
-    else:
-        spec = bool(req.get("drafter"))
-        for p in prompts:
-            before = _counters(llm) if spec else {}
-            ts = time.perf_counter()
-            o = llm.generate([p], sp, use_tqdm=False)[0]
-            r: dict = {"tokens": list(o.outputs[0].token_ids), "seconds": time.perf_counter() - ts}
-            if spec:
-                r.update(_diff(_counters(llm), before))
-            results.append(r)
+    results = _run_prompts(llm, sp, req, prompts, vllm.__version__)
     out = {
         "engine": "vllm",
         "vllm_version": vllm.__version__,

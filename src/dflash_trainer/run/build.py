@@ -220,6 +220,50 @@ def drafter_heads(target, drafter: DFlashDrafter, device: torch.device, autocast
     return embed_weight, lm_head
 
 
+def resume_plan(
+    cfg: Config, run_dir: Path, rank: int, world_size: int, resume_from: Path | None
+) -> ResumePlan | None:
+    """This rank's position in the checkpoint it resumes from (None: a fresh start), known
+    before the LR schedule is built."""
+    if not (cfg.checkpoint.resume or resume_from is not None):
+        return None
+    return ckpt.plan_resume(
+        run_dir, rank=rank, world_size=world_size, seed=cfg.seed, checkpoint=resume_from
+    )
+
+
+def checked_memory_plan(
+    cfg: Config,
+    drafter: DFlashDrafter,
+    objective: DFlashObjective,
+    target,
+    autocast: bool,
+    feature_dtype: torch.dtype,
+    world_size: int,
+) -> MemoryPlan | None:
+    """The run's memory plan (pipeline.memory_plan; None when off), logged and checked against
+    the drafter's device: a UserError naming the knobs where it cannot fit (refuse)."""
+    mode = cfg.pipeline.memory_plan
+    if mode == "off":
+        return None
+    device = torch.device(cfg.pipeline.drafter_device)
+    plan = plan_memory(
+        cfg,
+        drafter,
+        objective,
+        int(target.vocab_size),
+        device,
+        autocast,
+        feature_dtype,
+        target_bytes=co_located_target_bytes(cfg, target, device),
+        world_size=world_size,
+    )
+    for line in plan.lines():
+        log.info(line)
+    plan.check(mode)
+    return plan
+
+
 def co_located_target_bytes(cfg: Config, target, device: torch.device) -> int:
     """The target's weight bytes where a target worker runs on the drafter's device (its
     workers there share one copy), else 0."""
@@ -318,29 +362,12 @@ def build_run(
     autocast = use_autocast(p.precision, device)
     feature_dtype = torch.bfloat16 if device.type == "cuda" else next(drafter.parameters()).dtype
     objective = build_objective(cfg, drafter)
-    memory = None
-    if p.memory_plan != "off":  # before any run state exists: a refusal loses nothing
-        memory = plan_memory(
-            cfg,
-            drafter,
-            objective,
-            int(target.vocab_size),
-            device,
-            autocast,
-            feature_dtype,
-            target_bytes=co_located_target_bytes(cfg, target, device),
-            world_size=world_size,
-        )
-        for line in memory.lines():
-            log.info(line)
-        memory.check(p.memory_plan)
+    # before any run state exists: a refusal loses nothing
+    memory = checked_memory_plan(
+        cfg, drafter, objective, target, autocast, feature_dtype, world_size
+    )
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
-    # This rank's position in the checkpoint, known before the LR schedule is built.
-    plan = None
-    if cfg.checkpoint.resume or resume_from is not None:
-        plan = ckpt.plan_resume(
-            run_dir, rank=rank, world_size=world_size, seed=cfg.seed, checkpoint=resume_from
-        )
+    plan = resume_plan(cfg, run_dir, rank, world_size, resume_from)
     total_steps = plan_total_steps(cfg, train_set.lengths, plan, rank, world_size)
     lr_segments = ckpt.lr_segments(plan, total_steps)
     budget = time_budget(cfg, plan)
