@@ -2,11 +2,11 @@
 
 Exact where it can be counted (parameters, AdamW state, features in flight, a target on the same
 device), measured where it cannot: the step's peak of gradients, activations and temporaries
-comes from running one drafter step's objective forward and backward in torch's FakeTensorMode
-under torch's MemTracker. Fake tensors carry shapes and dtypes and no storage: the step costs no
-memory at any shape, a Qwen3-8B drafter's included, and the figure is what the allocator sees of
-the same step run for real (tests/test_memory_plan.py: equal to the CPU allocator's measured
-peak).
+comes from running one drafter step's objective forward and backward in torch's FakeTensorMode,
+counting the bytes of the storages it makes while they live (LiveBytes). Fake tensors carry
+shapes and dtypes and no storage: the step costs no memory at any shape, a Qwen3-8B drafter's
+included, and the figure is what the allocator sees of the same step run for real
+(tests/test_memory_plan.py: equal to the CPU allocator's measured peak).
 
 The largest batch: batching.max_batch_size rows of batching.max_tokens / rows tokens (at most
 data.max_length), every row with objective.num_anchors valid blocks: activations grow with rows x
@@ -24,10 +24,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
@@ -164,10 +167,9 @@ def step_peak(
     anchors: int,
 ) -> int:
     """Gradients + activations + temporaries at the peak of one drafter step's forward and
-    backward, measured by running them on fake tensors under torch's MemTracker. (AdamW's
-    step adds its state, counted exactly by plan_memory, and small fused temporaries.)"""
+    backward, measured by running them on fake tensors under LiveBytes. (AdamW's step adds its
+    state, counted exactly by plan_memory, and small fused temporaries.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     from dflash_trainer.models.attention import coarser_split_chunks
 
@@ -187,19 +189,54 @@ def step_peak(
         ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
         mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
         generator = torch.Generator(device=device)
-
-        tracker = MemTracker()
-        tracker.track_external(drafter, head, embed, feats, ids, mask)
-        with tracker, coarser_split_chunks(PLAN_CHUNK_SCALE):
+        with LiveBytes() as live, coarser_split_chunks(PLAN_CHUNK_SCALE):
             ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
             with ac:
                 out = objective(drafter, embed, head, feats, ids, mask, generator, None)
             out.loss.backward()
-        peak = tracker.get_tracker_snapshot("peak")
-    by_kind = next(iter(peak.values()))
-    return int(
-        sum(by_kind.get(k, 0) for k in (_MemRefType.GRAD, _MemRefType.ACT, _MemRefType.TEMP))
-    )
+            del out
+    return live.peak
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensor storages made inside it that are alive, and their peak: what an
+    allocator must hold for the code run inside (tensors made before it are not counted). A
+    storage is counted once however many tensors view it, and leaves the count when it is
+    freed (a weak reference's callback). Fake tensors count as their real selves would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._known: dict[int, weakref.ref] = {}  # id(storage) -> a reference that frees it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # an output that shares an input's storage (a view, an in-place op, out=, a no-op cast)
+        # made no memory; any other output storage is new
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
+                self._count(t.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._known and self._known[key]() is storage:
+            return
+        size = storage.nbytes()
+
+        def freed(_ref: weakref.ref, key: int = key, size: int = size) -> None:
+            self.live -= size
+            self._known.pop(key, None)
+
+        self._known[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
 
 
 # CPU bf16 kernels keep buffers of their own that dispatch-level tracking cannot see: oneDNN's
