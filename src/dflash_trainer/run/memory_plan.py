@@ -189,10 +189,15 @@ def step_peak(
         ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
         mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
         generator = torch.Generator(device=device)
+        final = (  # the target's final hidden states, where the objective reads them (KD)
+            torch.empty(rows, tokens, H, device=device, dtype=head_dtype)
+            if objective.needs_target_hidden
+            else None
+        )
         with LiveBytes() as live, coarser_split_chunks(PLAN_CHUNK_SCALE):
             ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
             with ac:
-                out = objective(drafter, embed, head, feats, ids, mask, generator, None)
+                out = objective(drafter, embed, head, feats, ids, mask, generator, final)
             out.loss.backward()
             del out
     return live.peak
@@ -303,6 +308,8 @@ def plan_memory(
     if world_size > 1:  # DDP's gradient buckets: a second copy of the gradients
         peak += n_bytes
     width = len(dcfg.target_layer_ids) * dcfg.hidden_size
+    if objective.needs_target_hidden:  # the final hidden states travel with the features
+        width += dcfg.hidden_size
     feat_elem = torch.empty((), dtype=feature_dtype).element_size()
     one_batch = rows * tokens * (width * feat_elem + 8 + 1)  # features, ids, loss mask
     features = (cfg.pipeline.hs_queue_size + 2) * one_batch
