@@ -34,10 +34,13 @@ def test_every_list_field_takes_every_form(tmp_path):
     assert LIST_KEYS  # data.sources, target.taps, pipeline.target_devices, eval.datasets, ...
     for key in LIST_KEYS:
         ints = key == "target.taps"
-        a, b = ("1", "3") if ints else ("x", "y")
-        want = [1, 3] if ints else ["x", "y"]
+        # elements each field accepts: ids, or KEY=VALUE pairs (generate.vllm_args), or names
+        a, b = {"target.taps": ("1", "3"), "generate.vllm_args": ("x=1", "y=2")}.get(
+            key, ("x", "y")
+        )
+        want = [1, 3] if ints else [a, b]
         forms = [f"{a},{b}", f"[{a},{b}]", f"[{a}, {b}]"]
-        forms.append("[1, 3]" if ints else '["x", "y"]')
+        forms.append("[1, 3]" if ints else f'["{a}", "{b}"]')
         for form in forms:
             cfg = load_config(None, None, [f"--{key}={form}"])
             obj = cfg
