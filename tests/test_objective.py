@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -608,7 +609,7 @@ def test_a_batch_computes_only_the_blocks_its_rows_can_fill():
     from dflash_trainer.pipeline.prefetcher import build_batch
 
     ids, lm, feats = _data()
-    counts = (lm[:, :-1] & lm[:, 1:]).sum(1)  # [12, 6, 0]: the naive count
+    counts = (lm[:, :-1] & lm[:, 1:]).sum(1).numpy()  # [12, 6, 0]: the naive count
     obj = DFlashObjective(BS, num_anchors=64, mask_token_id=MASK)
     n = obj.step_anchors(counts)
     assert n == 16  # 12 rounded up to a multiple of 64 / 8, far below 64
@@ -639,10 +640,10 @@ def test_batch_anchors_take_few_shapes_and_never_drop_an_anchor():
     seen = set()
     for _ in range(500):
         counts = torch.randint(0, 2000, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
-        counts = (counts.float() * torch.rand(counts.shape, generator=g) ** 3).long()
+        counts = (counts.float() * torch.rand(counts.shape, generator=g) ** 3).long().numpy()
         n = obj.step_anchors(counts)
         assert n >= min(512, int(counts.max()))  # every row keeps every anchor it can have
         assert n <= 512 and n % 64 == 0
         seen.add(n)
     assert len(seen) <= 8 and 512 in seen and len(seen) > 2
-    assert obj.step_anchors(None) == 512 and obj.step_anchors(torch.zeros(3).long()) == 64
+    assert obj.step_anchors(None) == 512 and obj.step_anchors(np.zeros(3, np.int64)) == 64

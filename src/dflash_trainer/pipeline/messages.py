@@ -13,6 +13,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -24,10 +25,11 @@ class Batch:
     loss_mask: torch.Tensor  # [B, S] bool: assistant tokens
     sample_ids: torch.Tensor  # [B] long: index into the dataset (sample ledger)
     num_real_tokens: int  # unpadded tokens, computed on CPU before any H2D
-    # [B] long, CPU: positions that can anchor a block in each row (a supervised token whose
-    # successor is supervised too), counted on the host, so the drafter step computes only the
-    # blocks a batch can fill (train/objective.py step_anchors) with no device read
-    anchor_counts: torch.Tensor | None = None
+    # [B] int64 (numpy, host): positions that can anchor a block in each row (a supervised token
+    # whose successor is supervised too), counted while the batch is built, so the drafter step
+    # computes only the blocks a batch can fill (train/objective.py step_anchors) reading no
+    # tensor on the host
+    anchor_counts: np.ndarray | None = None
 
     @property
     def num_padded_tokens(self) -> int:
@@ -75,7 +77,7 @@ class HiddenBatch:
     target_hidden: torch.Tensor | None = None
     # assembled from the feature cache (pipeline/feature_cache.py): the target did not run
     from_cache: bool = False
-    anchor_counts: torch.Tensor | None = None  # [B] CPU: Batch.anchor_counts
+    anchor_counts: np.ndarray | None = None  # [B] host: Batch.anchor_counts
 
 
 @dataclass

@@ -60,7 +60,7 @@ def build_batch(dataset, indices, pad_multiple: int, pad_id: int) -> Batch:
         torch.from_numpy(mask),
         torch.as_tensor(np.asarray(indices, dtype=np.int64)),
         int(lens.sum()),
-        torch.from_numpy((mask[:, :-1] & mask[:, 1:]).sum(1).astype(np.int64)),
+        (mask[:, :-1] & mask[:, 1:]).sum(1).astype(np.int64),
     )
 
 

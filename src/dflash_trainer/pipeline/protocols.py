@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -87,11 +88,11 @@ class Objective(Protocol):
     @property
     def needs_target_hidden(self) -> bool: ...
 
-    def step_anchors(self, anchor_counts: torch.Tensor | None) -> int:
+    def step_anchors(self, anchor_counts: np.ndarray | None) -> int:
         """Blocks per row for a batch whose rows have `anchor_counts` anchor positions."""
         ...
 
-    def query_tokens(self, anchor_counts: torch.Tensor | None, rows: int) -> int:
+    def query_tokens(self, anchor_counts: np.ndarray | None, rows: int) -> int:
         """Block tokens of such a batch that hold an anchor (the rest are padding)."""
         ...
 

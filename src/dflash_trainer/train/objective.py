@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,26 +134,26 @@ class DFlashObjective:
         return torch.where(k >= 1, w, torch.zeros_like(w))
 
     # ------------------------------------------------------------------------------------ data
-    def step_anchors(self, anchor_counts: torch.Tensor | None) -> int:
-        """Blocks per row for a batch whose rows have `anchor_counts` ([B], CPU) anchor
+    def step_anchors(self, anchor_counts: np.ndarray | None) -> int:
+        """Blocks per row for a batch whose rows have `anchor_counts` ([B], host) anchor
         positions: num_anchors, or fewer where no row can fill them, rounded up to a multiple of
         num_anchors / 8 (at most 8 shapes, so compiled kernels meet few). Every row then keeps
         every anchor it had: the blocks dropped are padding blocks, whose loss weight is 0, and
         the anchors come from the same random keys, so the loss is the same (tests/
         test_objective.py). None (a batch from elsewhere) = num_anchors."""
-        if anchor_counts is None or anchor_counts.numel() == 0:
+        if anchor_counts is None or len(anchor_counts) == 0:
             return self.num_anchors
         q = max(1, self.num_anchors // 8)
-        most = int(anchor_counts.max())  # a CPU tensor: no device read
+        most = int(np.max(anchor_counts))
         return min(self.num_anchors, max(q, -(-most // q) * q))
 
-    def query_tokens(self, anchor_counts: torch.Tensor | None, rows: int) -> int:
+    def query_tokens(self, anchor_counts: np.ndarray | None, rows: int) -> int:
         """Block tokens of a batch that hold an anchor (what the FLOP count and MFU credit):
-        `rows` rows of `anchor_counts` ([B], CPU) anchor positions, rows x num_anchors blocks
+        `rows` rows of `anchor_counts` ([B], host) anchor positions, rows x num_anchors blocks
         when unknown."""
         if anchor_counts is None:
             return rows * self.num_anchors * self.block_size
-        return int(anchor_counts.clamp(max=self.num_anchors).sum()) * self.block_size
+        return int(np.minimum(anchor_counts, self.num_anchors).sum()) * self.block_size
 
     def sample_anchors(
         self,
