@@ -259,7 +259,16 @@ def _table(rep: Report, r: dict, t_all: float) -> list[tuple]:
     pipe, seq, off, sync = r["pipe"], r["seq"], r["off"], r["sync"]
     pipes = [x["tok_s"] for x in (pipe, r["pipe2"]) if x]
     nan = float("nan")
-    pm = get(pipe, "metrics", {}) or {}
+    plans = (
+        [
+            json.loads(line)
+            for line in (r["keep"] / "metrics.jsonl").read_text().splitlines()
+            if "mem/plan_gib" in line
+        ]
+        if (r["keep"] / "metrics.jsonl").is_file()
+        else []
+    )
+    pm = plans[0] if plans else {}
     skipped = max((get(x, "metrics", {}) or {}).get("drafter/skipped_total", 0.0)
                   for x in (pipe, seq, off, r["pipe2"]))  # fmt: skip
     la, lb = get(pipe, "losses", {}) or {}, get(seq, "losses", {}) or {}
@@ -291,7 +300,7 @@ def _table(rep: Report, r: dict, t_all: float) -> list[tuple]:
         ),  # fmt: skip
         (
             "memory plan / allocator peak (pipelined)",
-            pm.get("mem/plan_gib", nan) / get(pipe, "peak_mem_gib"),
+            pm.get("mem/plan_gib", nan) / (get(pipe, "peak_mem_gib") or nan),
         ),  # fmt: skip
         ("per-step loss, pipelined vs sequential: largest relative difference", loss_gap),
         ("skipped (non-finite) optimizer steps, any run: must be 0", skipped),
