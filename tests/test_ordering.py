@@ -12,7 +12,7 @@ from dflash_trainer.pipeline import workers
 from dflash_trainer.pipeline.messages import HiddenBatch
 from dflash_trainer.pipeline.ordering import InOrder
 from dflash_trainer.run import train
-from test_pipeline import _ledger, _losses, _run
+from test_pipeline import _ledger, _losses, _run, assert_resumed_exactly
 from tiny import tiny_config, tiny_dataset, tiny_target
 
 
@@ -91,13 +91,7 @@ def test_two_target_workers_resume_exactly_after_sigterm(tmp_path, swapped_hando
     assert part.reason == "signal" and 9 <= part.steps < full.steps
     cfg = tiny_config(tmp_path / "run2", **TWO, **{"checkpoint.resume": True})
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
-    lf, lr = _losses(full), _losses(res)
-    assert min(lr) == part.steps + 1 and max(lr) == full.steps
-    for step in lr:
-        assert lr[step] == pytest.approx(lf[step], rel=1e-5, abs=1e-6), step
-    ledger = _ledger(res.run_dir)
-    for epoch in range(3):
-        assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
+    assert_resumed_exactly(full, res, first=part.steps + 1)
 
 
 _KILLED_RUN = """
@@ -149,11 +143,5 @@ def test_two_target_workers_resume_exactly_after_sigkill(tmp_path, swapped_hando
     proc.wait(timeout=30)
     cfg = tiny_config(root, **TWO, **{"checkpoint.every_steps": 4, "checkpoint.resume": True})
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
-    lf, lr = _losses(full), _losses(res)
-    assert min(lr) == 13 and max(lr) == full.steps
-    for step in lr:
-        assert lr[step] == pytest.approx(lf[step], rel=1e-5, abs=1e-6), step
-    ledger = _ledger(res.run_dir)
-    for epoch in range(3):
-        assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
-    assert ledger == _ledger(full.run_dir)
+    assert_resumed_exactly(full, res, first=13)
+    assert _ledger(res.run_dir) == _ledger(full.run_dir)

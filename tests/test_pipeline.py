@@ -27,6 +27,18 @@ def _ledger(run_dir):
     return [(r["epoch"], s) for r in rows for s in r["samples"]]
 
 
+def assert_resumed_exactly(full, res, first: int, epochs: int = 3) -> None:
+    """The resumed run `res` trains the uninterrupted run's steps from `first` on, loss for
+    loss, and its ledger holds every sample of every epoch exactly once."""
+    lf, lr = _losses(full), _losses(res)
+    assert min(lr) == first and max(lr) == full.steps
+    for step in lr:
+        assert lr[step] == pytest.approx(lf[step], rel=1e-5, abs=1e-6), step
+    ledger = _ledger(res.run_dir)
+    for epoch in range(epochs):
+        assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
+
+
 @pytest.mark.parametrize("schedule", ["pipelined", "sequential"])
 def test_trains_and_loss_falls(tmp_path, schedule):
     res = _run(tmp_path, **{"pipeline.schedule": schedule, "optim.epochs": 6})
@@ -81,13 +93,7 @@ def test_resume_from_background_checkpoint_after_a_crash_matches_uninterrupted(t
     assert latest_checkpoint(tmp_path / "run2" / "run").name == "step-0000008"
     cfg = tiny_config(tmp_path / "run2", **over, **{"checkpoint.resume": True})
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
-    lf, lr = _losses(full), _losses(res)
-    assert min(lr) == 9 and max(lr) == full.steps
-    for step in lr:
-        assert lr[step] == pytest.approx(lf[step], rel=1e-5, abs=1e-6), step
-    ledger = _ledger(res.run_dir)
-    for epoch in range(3):
-        assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
+    assert_resumed_exactly(full, res, first=9)
 
 
 @pytest.mark.parametrize(
