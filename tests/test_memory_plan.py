@@ -137,3 +137,14 @@ def test_a_run_logs_its_plan_and_stops_before_any_step_when_it_cannot_fit(tmp_pa
     with pytest.raises(UserError, match="more than 92% of its 0.0 GiB"):
         train(cfg, target=tiny_target(), train_set=ds.subset(range(12)))
     assert not (tmp_path / "small" / "run" / "checkpoints").exists()
+
+
+def test_the_feature_cache_counts_no_more_than_the_data_it_can_hold():
+    """A CPU run's feature cache takes at most its budget and at most every training token's
+    features once: a large budget over a small data set is not planned as full."""
+    cfg, target, drafter, objective = _setup(64, 32, 2, 128)
+    cfg.pipeline.feature_cache_gb = 6.0
+    width = len(target.layer_ids) * target.hidden_size
+    args = (cfg, drafter, objective, target.vocab_size, torch.device("cpu"), False, torch.float32)
+    assert plan_memory(*args).feature_cache == 6 * GiB
+    assert plan_memory(*args, data_tokens=10_000).feature_cache == 10_000 * width * 4

@@ -240,6 +240,7 @@ def checked_memory_plan(
     autocast: bool,
     feature_dtype: torch.dtype,
     world_size: int,
+    data_tokens: int,
 ) -> MemoryPlan | None:
     """The run's memory plan (pipeline.memory_plan; None when off), logged and checked against
     the drafter's device: a UserError naming the knobs where it cannot fit (refuse)."""
@@ -257,6 +258,7 @@ def checked_memory_plan(
         feature_dtype,
         target_bytes=co_located_target_bytes(cfg, target, device),
         world_size=world_size,
+        data_tokens=data_tokens,
     )
     for line in plan.lines():
         log.info(line)
@@ -364,8 +366,9 @@ def build_run(
     objective = build_objective(cfg, drafter)
     # before any run state exists: a refusal loses nothing
     memory = checked_memory_plan(
-        cfg, drafter, objective, target, autocast, feature_dtype, world_size
-    )
+        cfg, drafter, objective, target, autocast, feature_dtype, world_size,
+        int(np.asarray(train_set.lengths).sum()),
+    )  # fmt: skip
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     plan = resume_plan(cfg, run_dir, rank, world_size, resume_from)
     total_steps = plan_total_steps(cfg, train_set.lengths, plan, rank, world_size)

@@ -282,9 +282,11 @@ def plan_memory(
     feature_dtype: torch.dtype,
     target_bytes: int = 0,
     world_size: int = 1,
+    data_tokens: int | None = None,
 ) -> MemoryPlan:
     """The plan of this run's drafter device. `target_bytes`: the weights of target workers on
-    the same device (0: none there)."""
+    the same device (0: none there). `data_tokens`: the training set's tokens, which bound what
+    the feature cache can hold (None: its whole budget)."""
     dcfg = drafter.config
     rows, tokens = planned_shape(cfg)
     anchors = cfg.objective.num_anchors
@@ -318,6 +320,8 @@ def plan_memory(
         mask = (-(-tokens // 64) * 64) ** 2 * elem  # the target step's one causal mask
         target = target_bytes + mask + rows * tokens * width * elem
     cache = int(cfg.pipeline.feature_cache_gb * GiB) if device.type == "cpu" else 0
+    if data_tokens is not None:  # the cache holds at most every sample's features once
+        cache = min(cache, data_tokens * width * feat_elem)
     return MemoryPlan(
         device=str(device),
         rows=rows,
