@@ -72,7 +72,8 @@ def plan_for(card_gib: float, table: bool) -> dict:
         target.vocab_size,
         torch.device("cpu"),
         True,
-        torch.bfloat16,
+        torch.bfloat16,  # the features a CUDA target hands over
+        torch.bfloat16,  # the frozen heads: the bf16 target's, under autocast
     )
     plan.capacity, plan.feature_cache = int(card_gib * GiB), 0  # the GPU, not this host
     print("\n".join(plan.lines()), flush=True)

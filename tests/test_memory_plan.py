@@ -77,8 +77,9 @@ def _measured_peak(cfg, target, drafter, objective, autocast: bool) -> int:
 def test_the_plan_is_within_20_percent_of_the_measured_peak(shape, autocast):
     cfg, target, drafter, objective = _setup(*shape)
     dtype = torch.bfloat16 if autocast else torch.float32
+    # the features and the frozen heads in the dtype _measured_peak gives them
     plan = plan_memory(
-        cfg, drafter, objective, target.vocab_size, torch.device("cpu"), autocast, dtype
+        cfg, drafter, objective, target.vocab_size, torch.device("cpu"), autocast, dtype, dtype
     )
     measured = _measured_peak(cfg, target, drafter, objective, autocast)
     assert plan.step_peak == pytest.approx(measured, rel=0.2), (plan.step_peak, measured)
@@ -145,6 +146,7 @@ def test_the_feature_cache_counts_no_more_than_the_data_it_can_hold():
     cfg, target, drafter, objective = _setup(64, 32, 2, 128)
     cfg.pipeline.feature_cache_gb = 6.0
     width = len(target.layer_ids) * target.hidden_size
-    args = (cfg, drafter, objective, target.vocab_size, torch.device("cpu"), False, torch.float32)
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    args = (cfg, drafter, objective, target.vocab_size, cpu, False, fp32, fp32)
     assert plan_memory(*args).feature_cache == 6 * GiB
     assert plan_memory(*args, data_tokens=10_000).feature_cache == 10_000 * width * 4

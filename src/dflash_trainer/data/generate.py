@@ -217,9 +217,11 @@ def _generate_batch(
     return records, new_tokens
 
 
-def _generate_vllm(vllm, target, todo, settings, seed, provenance, rendering, path, stats, bar):
-    """Every prompt of `todo` through one vLLM engine, generated in chunks of
-    settings["chunk_prompts"]; each chunk's records are appended to `path` as it lands (a kill
+def _generate_vllm(
+    vllm, target, todo, settings, seed, provenance, rendering, path, stats, bar, chunk: int
+):
+    """Every prompt of `todo` through one vLLM engine, generated in chunks of `chunk` prompts;
+    each chunk's records are appended to `path` as it lands (a kill
     loses at most one chunk), counted into `stats` (new tokens: the stop token counted, as in the
     loop's path)."""
     if vllm is None:
@@ -255,13 +257,11 @@ def _generate_vllm(vllm, target, todo, settings, seed, provenance, rendering, pa
         bar.update(len(records))
         bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
 
-    # vLLM's version reaches the records from the engine's first chunk on (the worker's summary
-    # comes at the end): the records name the engine, dtype and sampling; the version is logged
     res = vllm.generate(
         [t[2] for t in todo],
         settings["max_new_tokens"],
         write,
-        chunk=settings["chunk_prompts"],
+        chunk=chunk,
         stop_ids=stop,
         temperature=settings["temperature"],
         top_p=settings["top_p"],
@@ -272,7 +272,7 @@ def _generate_vllm(vllm, target, todo, settings, seed, provenance, rendering, pa
         res.get("vllm_version"),
         res.get("startup_s", 0.0),
         len(todo),
-        settings["chunk_prompts"],
+        chunk,
     )
 
 
@@ -336,10 +336,8 @@ def generate_responses(
         len(todo) + len(done), initial=len(done), desc="generate", unit="prompt", enabled=progress
     ) as bar:
         if engine == "vllm":
-            settings["chunk_prompts"] = chunk_prompts
-            _generate_vllm(
-                vllm, target, todo, settings, seed, provenance, rendering, path, stats, bar
-            )
+            how = (settings, seed, provenance, rendering, path, stats, bar, chunk_prompts)
+            _generate_vllm(vllm, target, todo, *how)
             return _timed(stats, t0)
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]

@@ -234,15 +234,13 @@ def _parity_record(run: EvalRun, seconds: float) -> dict:
     """parity/* over every group vLLM decoded: our tau and vLLM's on the same prompts, and
     vLLM's own mean acceptance length (weighted by prompts across groups)."""
     served = run.compared["vllm"]
+    details = run.details["vllm"]  # served_problems' identical_to_ours per group
     ours = [r for g in served for r in run.groups[g].spec_results]
     spec = [r for s in served.values() for r in s.spec_results]
     ar = [r for s in served.values() for r in s.ar_results]
     block = next(iter(served.values())).block_size
     s, mine = summarize(spec, ar or None, block), summarize(ours, None, block)
-    own = [
-        (run.details.get("vllm", {}).get(g, {}).get("vllm_mean_acceptance_length"), x)
-        for g, x in served.items()
-    ]
+    own = [(details[g].get("vllm_mean_acceptance_length"), x) for g, x in served.items()]
     weighted = [(m * x.num_responses, x.num_responses) for m, x in own if m is not None]
     return {
         "parity/prompts": len(spec),
@@ -251,7 +249,7 @@ def _parity_record(run: EvalRun, seconds: float) -> dict:
         "parity/served_mean_acceptance_length": (
             sum(w for w, _ in weighted) / sum(n for _, n in weighted) if weighted else s.tau
         ),
-        "parity/identical_to_ours": sum(a.tokens == b.tokens for a, b in zip(spec, ours)),
+        "parity/identical_to_ours": sum(details[g]["identical_to_ours"] for g in served),
         "parity/served_lossless": bool(s.lossless),
         "parity/seconds": seconds,
     }

@@ -207,11 +207,17 @@ def plan_total_steps(cfg: Config, lengths, plan: ResumePlan | None, rank: int, w
     return total
 
 
+def heads_dtype(target, drafter: DFlashDrafter, autocast: bool) -> torch.dtype:
+    """The dtype of the drafter's frozen embedding and LM head: the target's under autocast,
+    else the drafter's own."""
+    return target.embed_weight.dtype if autocast else next(drafter.parameters()).dtype
+
+
 def drafter_heads(target, drafter: DFlashDrafter, device: torch.device, autocast: bool) -> tuple:
     """(embed_weight, lm_head) for the drafter: the target's frozen ones. Without autocast they
     must also be in the drafter's dtype (e.g. a bf16 target on CPU with an fp32 drafter): then,
     or on another device, the drafter gets its own frozen copy."""
-    head_dtype = target.embed_weight.dtype if autocast else next(drafter.parameters()).dtype
+    head_dtype = heads_dtype(target, drafter, autocast)
     embed_weight = target.embed_weight.to(device, dtype=head_dtype)
     lm_head = target.lm_head
     if device != torch.device(target.device) or next(lm_head.parameters()).dtype != head_dtype:
@@ -256,6 +262,7 @@ def checked_memory_plan(
         device,
         autocast,
         feature_dtype,
+        heads_dtype(target, drafter, autocast),
         target_bytes=co_located_target_bytes(cfg, target, device),
         world_size=world_size,
         data_tokens=data_tokens,

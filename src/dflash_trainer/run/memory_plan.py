@@ -156,51 +156,53 @@ def planned_shape(cfg: Config) -> tuple[int, int]:
     return rows, tokens
 
 
-def step_peak(
+def step_peaks(
     objective: DFlashObjective,
     dcfg: DFlashConfig,
     vocab_size: int,
     device: torch.device,
     autocast: bool,
-    rows: int,
+    dtypes: tuple[torch.dtype, torch.dtype],
     tokens: int,
-    anchors: int,
-) -> int:
-    """Gradients + activations + temporaries at the peak of one drafter step's forward and
-    backward, measured by running them on fake tensors under LiveBytes. (AdamW's step adds its
-    state, counted exactly by plan_memory, and small fused temporaries.)"""
+    shapes: list[tuple[int, int]],
+) -> list[int]:
+    """For each (rows, anchors) of `shapes`: gradients + activations + temporaries at the peak
+    of one drafter step's forward and backward on rows x `tokens`, measured by running them on
+    fake tensors under LiveBytes (one fake drafter for all). `dtypes`: (the frozen embedding and
+    LM head's, the features'), as the run has them. (AdamW's step adds its state, counted
+    exactly by plan_memory, and small fused temporaries.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dflash_trainer.models.attention import coarser_split_chunks
 
     dcfg = dataclasses.replace(dcfg, attention="split")
     H = dcfg.hidden_size
-    features = len(dcfg.target_layer_ids) * H
-    objective = copy.copy(objective)  # the run's own objective (settings only), at `anchors`
-    objective.num_anchors = anchors
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        with torch.device(device):
-            drafter = DFlashDrafter(dcfg)
-        head_dtype = torch.bfloat16 if autocast else next(drafter.parameters()).dtype
-        embed = torch.empty(vocab_size, H, device=device, dtype=head_dtype)
-        head = torch.nn.Linear(H, vocab_size, bias=False, device=device, dtype=head_dtype)
-        head.requires_grad_(False)
-        feats = torch.empty(rows, tokens, features, device=device, dtype=head_dtype)
-        ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
-        mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
+    head_dtype, feature_dtype = dtypes
+    peaks = []
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
+        drafter = DFlashDrafter(dcfg)
+        embed = torch.empty(vocab_size, H, dtype=head_dtype)
+        head = torch.nn.Linear(H, vocab_size, bias=False, dtype=head_dtype).requires_grad_(False)
         generator = torch.Generator(device=device)
-        final = (  # the target's final hidden states, where the objective reads them (KD)
-            torch.empty(rows, tokens, H, device=device, dtype=head_dtype)
-            if objective.needs_target_hidden
-            else None
-        )
-        with LiveBytes() as live, coarser_split_chunks(PLAN_CHUNK_SCALE):
-            ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
-            with ac:
-                out = objective(drafter, embed, head, feats, ids, mask, generator, final)
-            out.loss.backward()
-            del out
-    return live.peak
+        for rows, anchors in shapes:
+            step = copy.copy(objective)  # the run's own objective (settings only), at `anchors`
+            step.num_anchors = anchors
+            feats = torch.empty(rows, tokens, len(dcfg.target_layer_ids) * H, dtype=feature_dtype)
+            ids = torch.zeros(rows, tokens, dtype=torch.long)
+            mask = torch.ones(rows, tokens, dtype=torch.bool)
+            final = (  # the target's final hidden states, where the objective reads them (KD)
+                torch.empty(rows, tokens, H, dtype=feature_dtype)
+                if step.needs_target_hidden
+                else None
+            )
+            with LiveBytes() as live, coarser_split_chunks(PLAN_CHUNK_SCALE):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    out = step(drafter, embed, head, feats, ids, mask, generator, final)
+                out.loss.backward()
+                del out
+            drafter.zero_grad(set_to_none=True)
+            peaks.append(live.peak)
+    return peaks
 
 
 class LiveBytes(TorchDispatchMode):
@@ -280,29 +282,37 @@ def plan_memory(
     device: torch.device,
     autocast: bool,
     feature_dtype: torch.dtype,
+    head_dtype: torch.dtype,
     target_bytes: int = 0,
     world_size: int = 1,
     data_tokens: int | None = None,
 ) -> MemoryPlan:
-    """The plan of this run's drafter device. `target_bytes`: the weights of target workers on
-    the same device (0: none there). `data_tokens`: the training set's tokens, which bound what
-    the feature cache can hold (None: its whole budget)."""
+    """The plan of this run's drafter device. `feature_dtype` / `head_dtype`: the hand-off's
+    features' and the frozen embedding and LM head's (run/build.py). `target_bytes`: the
+    weights of target workers on the same device (0: none there). `data_tokens`: the training
+    set's tokens, which bound what the feature cache can hold (None: its whole budget)."""
     dcfg = drafter.config
     rows, tokens = planned_shape(cfg)
     anchors = cfg.objective.num_anchors
     params = [p for p in drafter.parameters() if p.requires_grad]
     n_bytes = sum(p.numel() * p.element_size() for p in params)
     optimizer = 2 * sum(p.numel() * 4 for p in params) + 4 * len(params)  # fp32 moments
-    head_dtype = torch.bfloat16 if autocast else next(drafter.parameters()).dtype
     elem = torch.empty((), dtype=head_dtype).element_size()
     frozen = 2 * vocab_size * dcfg.hidden_size * elem  # embedding + LM head (untied worst case)
     # A row's activations add up along the batch dimension; the chunked temporaries (attention,
     # LM head) are budgeted per chunk, whatever the rows. So one row and two rows give the slope
     # and the fixed part, and half the anchors on one row what a block costs. Fake steps on one or
     # two rows stay short.
-    at = (objective, dcfg, vocab_size, device, autocast)
-    one, two = step_peak(*at, 1, tokens, anchors), step_peak(*at, 2, tokens, anchors)
-    half = step_peak(*at, 1, tokens, max(1, anchors // 2))
+    one, two, half = step_peaks(
+        objective,
+        dcfg,
+        vocab_size,
+        device,
+        autocast,
+        (head_dtype, feature_dtype),
+        tokens,
+        [(1, anchors), (2, anchors), (1, max(1, anchors // 2))],
+    )
     per_block = max(0, one - half) // max(1, anchors - max(1, anchors // 2))
     peak = one + (rows - 1) * max(0, two - one)
     if autocast and device.type == "cpu":
