@@ -20,6 +20,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.config_io import load_config
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import choose_engine
@@ -61,9 +62,8 @@ def main() -> None:
     row = pre_query_ids(target.tokenizer, Rendering.from_config(cfg), "", "")
     out: dict = {"cpu": cpu_kind(), "turns": args.turns, "max_tokens": args.max_tokens}
     for label, temperature, top_p, top_k in SETTINGS:
-        s = replace(
-            cfg.synth, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=args.max_tokens
-        )
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
+        s = replace(cfg.synth, sampling=sampling, max_tokens=args.max_tokens)
         (turns,) = sample_turns(target, [row], args.turns, s, "vllm", vllm, seed=0)
         tokens = sum(len(t) + ended for t, ended in turns)  # a turn's stop token is decoded too
         cut = sum(not ended for _, ended in turns)

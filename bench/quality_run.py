@@ -6,8 +6,8 @@ Phases (preset smollm2-quality; the time plan is in the preset's header):
   3. synthesis     synth.prompts user turns written by the target (the `synth` data source,
                    data/synthesize.py; cached)
   4. answers       the synthesised prompts answered by the target ([generate]'s length and
-                   engine: vLLM where installed): greedy, or sampled (synth.answer_temperature /
-                   answer_top_p); cached; provenance per record
+                   engine: vLLM where installed): greedy, or sampled
+                   (synth.answer_sampling); cached; provenance per record
   5. training      optim.time_budget_s, periodic evaluation on the validation prompts every
                    eval.every_steps (eval/tau and eval/tau_sim against wall minutes: the curve)
   6. evaluation    the export on the reported held-out prompts of each embedded source (never
@@ -21,7 +21,7 @@ Variants (the data sources of the issue's table; one machine, one table):
   embedded       the embedded prompts, greedy answers (the demo's data)
   synth-greedy   + synthesised prompts, greedy answers
   synth-sampled  + synthesised prompts, answers sampled at T=0.8, top-p 0.95 (the peers'
-                 temperatures; --set synth.answer_temperature=... for another)
+                 temperatures; --set synth.answer_sampling.temperature=... for another)
   raw-kd         + a conversation file the target did not write (--raw FILE), every label the
                  target's own distribution at that position (objective.kd_weight=1: one prefill)
 
@@ -70,8 +70,8 @@ def synth_phases(cfg, target, phases: Phases) -> None:
     synthesized_prompts(cfg, target, prompts_file, cfg.generate.engine)
     say(f"3/7 synthesis in {phases.end('synthesis'):.0f} s")
     res = ensure_synth_responses(cfg, target)
-    s = cfg.synth
-    say(f"4/7 answers in {phases.end('answers'):.0f} s (T={s.answer_temperature}): {res}")
+    t = cfg.synth.answer_sampling.temperature
+    say(f"4/7 answers in {phases.end('answers'):.0f} s (T={t}): {res}")
 
 
 def configure_final_eval(cfg, compare: str = "auto") -> None:
@@ -148,7 +148,7 @@ def build_config(args):
     if args.variant.startswith("synth"):
         cfg.data.sources = [*cfg.data.sources, "synth"]
     if args.variant == "synth-sampled":  # the peers' temperatures
-        cfg.synth.answer_temperature, cfg.synth.answer_top_p = 0.8, 0.95
+        cfg.synth.answer_sampling.temperature, cfg.synth.answer_sampling.top_p = 0.8, 0.95
     for kv in args.set:
         k, _, v = kv.partition("=")
         set_value(cfg, k, v)

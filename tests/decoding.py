@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.decode.loop import GenResult, decode
-from dflash_trainer.decode.sampler import Sampler
 from dflash_trainer.models.target import TargetModel
 
 
@@ -44,7 +44,7 @@ def spec_generate(
             target,
             input_ids.tolist(),
             max_new_tokens,
-            Sampler(temperature, top_p),
+            SamplingConfig(temperature=temperature, top_p=top_p),
             seeds=[seed],
             stop_ids=stop_ids,
             drafter=drafter,

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.data.chat import Rendering, TokenizedDataset, build_dataset
 from dflash_trainer.data.generate import decode_batch, generate_responses
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.decode.loop import decode
-from dflash_trainer.decode.sampler import Sampler
 from dflash_trainer.pipeline.feature_cache import CapturedFeatures, FeatureCache, capture_for
 from dflash_trainer.pipeline.steps import TargetStep
 from dflash_trainer.run import train
@@ -63,7 +63,7 @@ def test_captured_taps_equal_a_separate_prefill_bit_for_bit_where_shapes_agree()
     step = TargetStep(target, torch.device("cpu"), torch.float32)  # training's capture path
     p = _prompt(20, 0)
     cap = CapturedFeatures(1 << 30, target.dtype, target.layer_ids)
-    (row, stopped), = decode_batch(target, [p], 16, Sampler(), [0], 0, capture=cap)  # fmt: skip
+    (row, stopped), = decode_batch(target, [p], 16, None, [0], 0, capture=cap)  # fmt: skip
     ids = p + row + ([2] if stopped else [])
     got = cap.get(ids)
     assert got is not None and got.shape[0] == len(ids)
@@ -78,7 +78,7 @@ def test_captured_taps_equal_a_separate_prefill_bit_for_bit_where_shapes_agree()
     assert_close(got, full, **_rounding(full))
     # rows of a left-padded batch (other shapes again) and their keys: exactly their own ids
     rows = [_prompt(9, 1), _prompt(15, 2), p]
-    batch = decode_batch(target, rows, 12, Sampler(), [0, 0, 0], 0, capture=cap)
+    batch = decode_batch(target, rows, 12, None, [0, 0, 0], 0, capture=cap)
     for r, (new, stopped) in zip(rows, batch):
         ids = r + new + ([2] if stopped else [])
         full = prefill(ids)
@@ -178,7 +178,7 @@ def test_generate_with_capture_then_train_one_epoch_without_prefilling_captured_
         out,
         max_new_tokens=24,
         batch_size=3,
-        temperature=1.0,
+        sampling=SamplingConfig(temperature=1.0),
         progress=False,
         capture=cap,
     )

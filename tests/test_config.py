@@ -249,9 +249,7 @@ PINNED_KEYS = {
         "max_new_tokens",
         "block_size",
         "verify",
-        "temperature",
         "datasets",
-        "top_p",
         "heldout_path",
         "seed",
         "engine",
@@ -263,9 +261,6 @@ PINNED_KEYS = {
     "synth": [
         "prompts",
         "seed",
-        "temperature",
-        "top_p",
-        "top_k",
         "max_tokens",
         "min_chars",
         "near_duplicate",
@@ -273,8 +268,6 @@ PINNED_KEYS = {
         "system_prompt",
         "exclude",
         "max_rounds",
-        "answer_temperature",
-        "answer_top_p",
     ],
     "generate": [
         "prompts",
@@ -283,13 +276,15 @@ PINNED_KEYS = {
         "shard",
         "max_new_tokens",
         "batch_size",
-        "temperature",
-        "top_p",
         "engine",
         "chunk_prompts",
         "vllm_args",
     ],
     "export": ["source", "out", "dtype"],
+    **{
+        f"{s}": ["temperature", "top_p", "top_k"]
+        for s in ("eval.sampling", "synth.sampling", "synth.answer_sampling", "generate.sampling")
+    },
     "bench": ["quick", "only"],
 }
 

@@ -205,14 +205,12 @@ def test_conversation_bar_counts_conversations_and_changes_nothing(monkeypatch):
         ("b", [{"role": "user", "content": "hello"}]),
     ]
     err, _, _ = _console(monkeypatch)
-    shown = ev.run_conversations(target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), desc="eval x")
+    shown = ev.run_conversations(target, drafter, convs, 6, 4, None, Rendering(), desc="eval x")
     out = err.getvalue()
     # one bar over conversations (2), none per turn (3 turns)
     assert _drawn(out, "eval x", "conversation") and "2/2" in out and "/1 [" not in out, out
     err, _, _ = _console(monkeypatch)
-    quiet = ev.run_conversations(
-        target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), progress=False
-    )
+    quiet = ev.run_conversations(target, drafter, convs, 6, 4, None, Rendering(), progress=False)
     assert not _any_bar(err.getvalue()) and _decoded(quiet) == _decoded(shown)
 
 

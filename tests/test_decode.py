@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.decode.loop import decode
-from dflash_trainer.decode.sampler import Sampler
 from dflash_trainer.models.target import TargetModel
 from test_specdecode import (
     LAYER_IDS,
@@ -28,7 +28,11 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 127, (int(l),), generator=g).tolist() for l in [3, 9, 5, 12][:n]]
 
 
-@pytest.mark.parametrize("sampler", [Sampler(), Sampler(0.9, 0.8)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampler",
+    [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.8)],
+    ids=["greedy", "sampled"],
+)
 def test_a_batch_decodes_each_row_as_it_would_alone(sampler):
     """Left padding, rows leaving the batch and per-row seeds change no row's tokens."""
     target = side(tiny_target("llama"))

@@ -16,9 +16,9 @@ import math
 import pytest
 import torch
 
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.decode import loop as decode_loop
 from dflash_trainer.decode.loop import decode
-from dflash_trainer.decode.sampler import Sampler
 from test_specdecode import _trained_drafter, random_prompt, side, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,7 +53,7 @@ def test_the_loops_sampled_acceptance_is_the_engines_rule(monkeypatch):
         for seed in range(RUNS):
             first_block.clear()
             r = decode(
-                target, [prompt], 3 * BS, Sampler(T, 1.0), seeds=[seed], stop_ids=(),
+                target, [prompt], 3 * BS, SamplingConfig(temperature=T), seeds=[seed], stop_ids=(),
                 drafter=drafter, block_size=BS,
             )[0]  # fmt: skip
             measured.append(r.acceptance_lengths[0])

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dflash_trainer import cli
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, SamplingConfig
 from dflash_trainer.data import generate as gen
 from dflash_trainer.data.generate import generate_responses, read_done_ids
 from dflash_trainer.errors import UserError
@@ -186,7 +186,12 @@ def test_resume_refuses_other_settings_and_bad_lines(target, tmp_path):
 
 
 def test_sampling_is_seeded(target, tmp_path):
-    kw = dict(max_new_tokens=12, batch_size=5, temperature=1.0, top_p=0.9, progress=False)
+    kw = dict(
+        max_new_tokens=12,
+        batch_size=5,
+        sampling=SamplingConfig(temperature=1.0, top_p=0.9),
+        progress=False,
+    )
     a, b, c = (tmp_path / f"{n}.jsonl" for n in "abc")
     generate_responses(target, PROMPTS, a, seed=1, **kw)
     generate_responses(target, PROMPTS, b, seed=1, **kw)
@@ -200,7 +205,12 @@ def test_sampled_answers_record_how_they_were_sampled(target, tmp_path):
     """A sampled answer is reproducible from its record: temperature, top_p, seed, engine,
     dtype (and the revision a caller adds) in every record, next to the resume settings."""
     out = tmp_path / "s.jsonl"
-    kw = dict(max_new_tokens=6, batch_size=2, temperature=0.8, top_p=0.9, progress=False)
+    kw = dict(
+        max_new_tokens=6,
+        batch_size=2,
+        sampling=SamplingConfig(temperature=0.8, top_p=0.9),
+        progress=False,
+    )
     generate_responses(
         target, PROMPTS, out, seed=7, extra_provenance={"target_revision": "abc"}, **kw
     )
@@ -318,7 +328,7 @@ def test_resume_refuses_a_file_sampled_before_the_position_keyed_sampler(target,
     """Sampled answers changed with the one sampler (decode/sampler.py): a sampled file made
     before it (no `sampler` in its provenance) must not be resumed with new samples; greedy
     files have no sampler key and still resume."""
-    kw = dict(max_new_tokens=4, temperature=1.0, top_p=0.9, progress=False)
+    kw = dict(max_new_tokens=4, sampling=SamplingConfig(temperature=1.0, top_p=0.9), progress=False)
     out = tmp_path / "old.jsonl"
     generate_responses(target, PROMPTS[:2], out, **kw)
     assert read(out)[0]["provenance"]["sampler"] == gen.SAMPLER

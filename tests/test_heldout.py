@@ -378,9 +378,7 @@ def test_run_conversations_decodes_in_the_given_dtype():
     target = TargetModel.from_hf(model, FakeTokenizer(), [0, 2])
     drafter = _real_drafter(model, block_size=4).to(torch.bfloat16)
     convs = [("a", [{"role": "user", "content": "hi"}])]
-    s = ev.run_conversations(
-        target, drafter, convs, 6, 4, 0.0, 1.0, Rendering(), dtype=torch.float32
-    )
+    s = ev.run_conversations(target, drafter, convs, 6, 4, None, Rendering(), dtype=torch.float32)
     assert s.decode_dtype == "float32" and s.lossless is True
     assert next(drafter.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.bfloat16

@@ -63,7 +63,7 @@ def generate_args(cfg, prompts, output, max_new_tokens=2, batch_size=1):
     command's argparse namespace carries nothing of its own)."""
     g = cfg.generate
     g.prompts, g.out, g.limit = str(prompts), str(output), 0
-    g.max_new_tokens, g.batch_size, g.temperature, g.top_p = max_new_tokens, batch_size, 0.0, 1.0
+    g.max_new_tokens, g.batch_size = max_new_tokens, batch_size
     return SimpleNamespace()
 
 

@@ -160,6 +160,8 @@ def test_the_gate_checks_the_comparison_the_evaluation_made(tmp_path, monkeypatc
         parity.parity_gate(cfg, None, None, tmp_path, [[1]], "float32", low)
     assert starts == []
 
-    cfg.eval.temperature = 0.7  # a sampled comparison: the gate serves its own greedy sample
+    cfg.eval.sampling.temperature = (
+        0.7  # a sampled comparison: the gate serves its own greedy sample
+    )
     assert parity.parity_gate(cfg, None, None, tmp_path, [[1]], "float32", same) is None
     assert starts == [1]  # it tried to start vLLM (absent here: skipped under auto)

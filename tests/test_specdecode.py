@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from decoding import ar_generate, draw_seed, spec_generate
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.decode import sampler as smp
 from dflash_trainer.decode.draft import AdaptiveVerify
 from dflash_trainer.decode.loop import GenResult
-from dflash_trainer.decode.sampler import Sampler
 from dflash_trainer.eval import prompts as pr
 from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.metrics import position_acceptance, summarize
@@ -61,7 +61,8 @@ def side(model: nn.Module, layer_ids=LAYER_IDS) -> TargetModel:
 
 def choose_tokens(logits, positions, temperature, top_p, seed):
     """The sampler's tokens at `positions` (one seed for all)."""
-    return Sampler(temperature, top_p).choose(logits, torch.tensor(list(positions)), seed)
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p)
+    return smp.choose(sampling, logits, torch.tensor(list(positions)), seed)
 
 
 def full_taps(model: nn.Module, ids: torch.Tensor, layer_ids=LAYER_IDS) -> torch.Tensor:
@@ -175,17 +176,20 @@ def test_top_k_samples_the_renormalised_k_most_likely():
     among themselves; top_k then top_p (vLLM's and transformers' order)."""
     logits = torch.tensor([[0.5, 2.0, 1.0, -1.0, 1.5]])
     n = 4000
-    toks = Sampler(1.0, 1.0, 3).choose(logits.expand(n, 5), torch.arange(n), 3)
+    toks = smp.choose(
+        SamplingConfig(temperature=1.0, top_k=3), logits.expand(n, 5), torch.arange(n), 3
+    )
     freq = torch.bincount(toks, minlength=5).float() / n
     want = torch.zeros(5)
     want[[1, 2, 4]] = torch.softmax(logits[0, [1, 2, 4]], -1)
     torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
     # k = 3 leaves {1: 0.51, 4: 0.31, 2: 0.19}; top_p 0.6 then keeps the first two
-    both = Sampler(1.0, 0.6, 3).choose(logits.expand(n, 5), torch.arange(n), 3)
+    k3_p06 = SamplingConfig(temperature=1.0, top_p=0.6, top_k=3)
+    both = smp.choose(k3_p06, logits.expand(n, 5), torch.arange(n), 3)
     assert set(both.tolist()) == {1, 4}
     assert torch.equal(smp.top_k_logits(logits, 0), logits)  # 0 = off
-    with pytest.raises(ValueError, match="top_k >= 0"):
-        Sampler(1.0, 1.0, -1)
+    with pytest.raises(ValueError, match=r"top_k: -1 is outside the valid range"):
+        SamplingConfig(temperature=1.0, top_k=-1)
 
 
 def test_hash_never_overflows_int64():

@@ -2,6 +2,7 @@
 determinism under a seed, provenance, both engines' plumbing, and `generate`'s synthesis mode."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from dflash_trainer.data import synthesize as syn
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.models.vllm_engine import VLLMEngine
 from test_generate import char_tokenizer, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,7 +32,8 @@ def lenient(tmp_path, prompts=6, **synth) -> Config:
     cfg.run_dir = str(tmp_path / "run")
     s = cfg.synth
     s.prompts, s.exclude, s.min_chars, s.max_tokens, s.hints = prompts, [], 1, 48, ["", "hi "]
-    s.top_p, s.top_k = 0.95, 0  # nucleus sampling: the tests' seeds keep 6 of its random text
+    # nucleus sampling: the tests' seeds keep 6 of its random text
+    s.sampling.top_p, s.sampling.top_k = 0.95, synth.pop("top_k", 0)
     for k, v in synth.items():
         setattr(s, k, v)
     return cfg
@@ -118,14 +121,14 @@ def test_deterministic_under_a_seed_with_provenance_and_reuse(target, tmp_path):
 
 
 def test_top_k_reaches_both_engines(target, tmp_path, monkeypatch):
-    """synth.top_k reaches the project's sampler and vLLM's request (decode.sampler tests what
-    top_k does to the draw)."""
+    """synth.sampling.top_k reaches the project's sampler and vLLM's request (decode.sampler
+    tests what top_k does to the draw)."""
     cfg = lenient(tmp_path, prompts=2, top_k=7)
     seen = []
     ids = target.tokenizer("Explain how rainbows form.", add_special_tokens=False)["input_ids"]
 
-    def fake_decode(_t, rows, _n, sampler, seeds, *_a):
-        seen.append(sampler)
+    def fake_decode(_t, rows, _n, sampling, seeds, *_a):
+        seen.append(sampling)
         return [(list(ids), True) for _ in rows]
 
     monkeypatch.setattr(syn, "decode_batch", fake_decode)
@@ -133,12 +136,13 @@ def test_top_k_reaches_both_engines(target, tmp_path, monkeypatch):
     assert seen and {(x.temperature, x.top_p, x.top_k) for x in seen} == {(1.0, 0.95, 7)}
     assert {r["provenance"]["top_k"] for r in read(tmp_path / "k.jsonl")} == {7}
 
-    class FakeVllm:
-        def run(self, rows, max_tokens, **kw):
-            seen.append(kw)
-            return {"results": [{"samples": [[*ids, 2]]} for _ in rows]}
+    class FakeVllm(VLLMEngine):  # the real request, no subprocess
+        def _launch(self, req, stream, on_results):
+            seen.append(req)
+            return {"results": [{"samples": [[*ids, 2]]} for _ in req["prompts"]]}
 
-    out = syn._sample_vllm(FakeVllm(), [[1, 2]], 1, cfg.synth, [2], seed=0)
+    engine = FakeVllm(python=Path("python"), target="tiny")
+    out = syn._sample_vllm(engine, [[1, 2]], 1, cfg.synth, [2], seed=0)
     assert seen[-1]["top_k"] == 7 and seen[-1]["top_p"] == 0.95 and out == [[(list(ids), True)]]
 
 
@@ -206,7 +210,7 @@ def test_vllm_engine_gets_n_samples_per_pre_query(target, tmp_path, monkeypatch)
     (call,) = calls
     assert call["mode"] == "generate" and call["n"] >= 2 and call["max_new_tokens"] == 48
     assert call["stop_ids"] == [int(x) for x in target.eos_token_ids]
-    assert call["temperature"] == 1.0 and call["top_p"] == 0.95
+    assert call["sampling"].temperature == 1.0 and call["sampling"].top_p == 0.95
     assert len(call["prompts"]) == 2  # one pre-query per hint
     recs = read(out)
     assert stats["kept"] == 4 and recs[0]["provenance"]["engine"] == "vllm"
@@ -276,7 +280,7 @@ def test_synth_data_source_is_cached_by_every_setting(target, tmp_path, monkeypa
     monkeypatch.setattr(syn, "sample_turns", lambda *a, **k: pytest.fail("resampled"))
     assert resolve_sources(cfg, None) == [greedy]
     # sampled answers: another answers file for the same prompts (the prompts file is reused)
-    cfg.synth.answer_temperature, cfg.synth.answer_top_p = 0.8, 0.9
+    cfg.synth.answer_sampling.temperature, cfg.synth.answer_sampling.top_p = 0.8, 0.9
     (sampled,) = resolve_sources(cfg, target)
     assert sampled != greedy and syn.synth_cache_paths(cfg)[0] == prompts_file
     recs = read(answers.parent / sampled.rsplit("/", 1)[-1])

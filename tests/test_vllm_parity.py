@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.parity import PARITY_TOLERANCE, check_parity
 from dflash_trainer.eval.reference import reference_tau
@@ -168,17 +169,17 @@ def test_vllm_accepts_sampled_drafts_as_our_loop_does(memorised, capsys):
     prompt and repeat on each side; 4 repeats of the 6 memorised prompts)."""
     python = _vllm_python_or_skip()
     m = memorised
-    T, prompts = 0.7, [p for _ in range(4) for p in m.prompt_ids]
+    T, prompts = SamplingConfig(temperature=0.7), [p for _ in range(4) for p in m.prompt_ids]
     drafter = load_drafter(m.export_dir, "cpu", torch.float32)
     stop = m.target.eos_token_ids
     with torch.inference_mode():
         ours = evaluate(
-            m.target, drafter, prompts, NEW_TOKENS, BLOCK, temperature=T, baseline=False,
+            m.target, drafter, prompts, NEW_TOKENS, BLOCK, sampling=T, baseline=False,
             warmup=False, progress=False,
         )  # fmt: skip
     engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
     served = served_evaluate(
-        engine, m.export_dir, prompts, NEW_TOKENS, BLOCK, stop, baseline=False, temperature=T
+        engine, m.export_dir, prompts, NEW_TOKENS, BLOCK, stop, baseline=False, sampling=T
     )
 
     def mean_se(taus):
@@ -190,7 +191,8 @@ def test_vllm_accepts_sampled_drafts_as_our_loop_does(memorised, capsys):
     spread = 3 * (so**2 + sv**2) ** 0.5
     _show(
         capsys,
-        f"\nT={T} on {len(prompts)} prompts x {NEW_TOKENS} tokens, block {BLOCK}: project tau "
+        f"\nT={T.temperature} on {len(prompts)} prompts x {NEW_TOKENS} tokens, block {BLOCK}: "
+        f"project tau "
         f"{mo:.3f} (+- {so:.3f}), vLLM {served.vllm_version} tau {mv:.3f} (+- {sv:.3f}; mean "
         f"acceptance length {served.mean_acceptance_length:.3f}); allowed gap {spread:.3f}",
     )

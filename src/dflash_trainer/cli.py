@@ -102,8 +102,8 @@ RETIRED_FLAGS = {
             ("output", "out"),
             ("max-new-tokens", "max_new_tokens"),
             ("batch-size", "batch_size"),
-            ("temperature", "temperature"),
-            ("top-p", "top_p"),
+            ("temperature", "sampling.temperature"),
+            ("top-p", "sampling.top_p"),
             ("limit", "limit"),
             ("engine", "engine"),
         ]

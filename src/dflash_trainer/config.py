@@ -9,8 +9,9 @@ generates ``--help`` and ``config show`` from them. `validate` holds the checks 
 
 from __future__ import annotations
 
+import difflib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,77 @@ def _f(
     return field(default=default, metadata=meta)
 
 
+def check_range(key: str, f: Any, value: Any) -> None:
+    """`value` of the field `f` (a dataclasses.Field) within its declared choices and range, or a
+    ConfigError naming `key`: the one place a field's declared rule is checked."""
+    m = f.metadata
+    if m.get("choices") and value not in m["choices"]:
+        raise ConfigError(
+            f"{key}: {value!r} is not one of {', '.join(map(repr, m['choices']))}."
+            + suggest(str(value), [str(c) for c in m["choices"]])
+        )
+    lo, hi = m.get("min"), m.get("max")
+    vals = value if isinstance(value, list) else [value]
+    for v in vals:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+                raise ConfigError(f"{key}: {v!r} is outside the valid range {rng}.")
+
+
+def check_ranges(obj: Any, prefix: str) -> None:
+    """Every leaf field of the dataclass `obj` within its declared rule (`check_range`): for a
+    section built in code rather than read from a config (e.g. a SamplingConfig)."""
+    for f in fields(obj):
+        check_range(f"{prefix}.{f.name}", f, getattr(obj, f.name))
+
+
+def suggest(key: str, options: list[str]) -> str:
+    """ " Did you mean 'X'?" for the option closest to a mistyped `key`, or ""."""
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
 # --------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    """How the target chooses a token wherever it writes (`eval`, `generate`, synthesis; the
+    decode loop's `decode/sampler.py` applies it): greedy at temperature 0, else an exact sample
+    of softmax(logits / temperature) within the top-k, then the top-p, tokens."""
+
+    temperature: float = _f(0.0, "0 = greedy; > 0 samples softmax(logits / temperature)", min=0.0)
+    top_p: float = _f(
+        1.0, "nucleus mass kept when temperature > 0 (1 = every token)", min=0.01, max=1.0
+    )
+    top_k: int = _f(
+        0, "the k most likely tokens kept when temperature > 0, before top_p (0 = every token)",
+        min=0,
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "sampling")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def record(self) -> dict[str, Any]:
+        """The settings as answer records' provenance and cache keys hold them: temperature and
+        top_p, top_k only where set (records and caches made before it existed stay valid)."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            **({"top_k": self.top_k} if self.top_k else {}),
+        }
+
+
+def _section(factory: Any, help: str) -> Any:
+    """A sub-section field (a dataclass built by `factory`), with its help."""
+    return field(default_factory=factory, metadata={"help": help})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -629,15 +698,18 @@ class EvalConfig:
         "CPUs, where a verify pass costs with its length (tau is then capped tokens per cycle)",
         choices=("full", "adaptive"),
     )
-    temperature: float = _f(0.0, "0 = greedy; >0 samples with the exact-match rule", min=0.0)
+    sampling: SamplingConfig = _section(
+        SamplingConfig,
+        "how the target chooses its tokens while evaluating; at temperature > 0 a draft is "
+        "accepted where it equals the target's sampled token (the exact-match rule)",
+    )
     datasets: list[str] = _f(["heldout"], "prompt sets: heldout, mt-bench, humaneval, or a file")
-    top_p: float = _f(1.0, "nucleus sampling mass when temperature > 0", min=0.01, max=1.0)
     heldout_path: str = _f(
         "",
         "JSONL of {id, messages, source} (data.format=text: {id, prompt, source}) for 'heldout' "
         "('' = RUN_DIR/heldout.jsonl, written by training; a missing file is an error)",
     )
-    seed: int = _f(0, "sampling seed (temperature > 0)", min=0)
+    seed: int = _f(0, "sampling seed (eval.sampling.temperature > 0)", min=0)
     engine: str = _f(
         "project",
         "`eval` command: project = the project's decoding loop; vllm = also the reference loop "
@@ -711,8 +783,9 @@ class GenerateConfig:
         min=1,
     )
     batch_size: int = _f(64, "prompts decoded together (left padded)", unit="prompts", min=1)
-    temperature: float = _f(0.0, "0 = greedy; > 0 samples with top_p", min=0.0)
-    top_p: float = _f(1.0, "nucleus sampling mass when temperature > 0", min=0.01, max=1.0)
+    sampling: SamplingConfig = _section(
+        SamplingConfig, "how the target chooses the tokens of its answers (greedy by default)"
+    )
     engine: str = _f(
         "auto",
         "hf = the project's batched decode loop; vllm = vLLM's offline engine (its own venv: "
@@ -772,14 +845,11 @@ class SynthConfig:
         min=0,
     )
     seed: int = _f(0, "seed of the synthesis (same seed, settings and engine = same prompts)")
-    temperature: float = _f(1.0, "sampling temperature of the user turns", min=0.01)
-    top_p: float = _f(1.0, "nucleus mass of the user turns (1 = off)", min=0.01, max=1.0)
-    top_k: int = _f(
-        50,
-        "sample the user turns among the k most likely tokens (0 = off; transformers' default "
-        "50): vLLM's CPU build samples 2.6x faster with top-k 50 than with top-p 0.95 "
-        "(bench/bench_synth_sampling.py)",
-        min=0,
+    # top-k 50 (transformers' default): vLLM's CPU build samples 2.6x faster with top-k 50 than
+    # with top-p 0.95 (bench/bench_synth_sampling.py)
+    sampling: SamplingConfig = _section(
+        lambda: SamplingConfig(temperature=1.0, top_k=50),
+        "how the target samples the user turns (a user turn needs temperature > 0)",
     )
     max_tokens: int = _f(
         96, "longest user turn; a turn cut at this length is dropped", unit="tokens", min=4
@@ -812,11 +882,10 @@ class SynthConfig:
     # The `synth` data source's answers: [generate]'s length, batch and engine, with their own
     # sampling, so that the embedded set stays greedy while these are sampled (issue 32 compares
     # the two at equal tokens).
-    answer_temperature: float = _f(
-        0.0, "answers to the synthesised prompts (data source `synth`): 0 = greedy", min=0.0
-    )
-    answer_top_p: float = _f(
-        1.0, "their nucleus mass when synth.answer_temperature > 0", min=0.01, max=1.0
+    answer_sampling: SamplingConfig = _section(
+        SamplingConfig,
+        "how the target chooses the tokens of its answers to the synthesised prompts (data "
+        "source `synth`; greedy by default)",
     )
 
 
@@ -875,6 +944,15 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     "drafter.loss_slots": "objective.loss_slots",
     "drafter.hidden_weight": "objective.hidden_weight",
     "drafter.selector_weight": "objective.selector_weight",
+    "eval.temperature": "eval.sampling.temperature",
+    "eval.top_p": "eval.sampling.top_p",
+    "generate.temperature": "generate.sampling.temperature",
+    "generate.top_p": "generate.sampling.top_p",
+    "synth.temperature": "synth.sampling.temperature",
+    "synth.top_p": "synth.sampling.top_p",
+    "synth.top_k": "synth.sampling.top_k",
+    "synth.answer_temperature": "synth.answer_sampling.temperature",
+    "synth.answer_top_p": "synth.answer_sampling.top_p",
 }
 
 # Values that were renamed: (key, old value) -> new value, treated like RENAMED (an error naming
@@ -937,6 +1015,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             "overwrite=true moves the run in run_dir aside and starts a new one; "
             "checkpoint.resume=true continues it: choose one."
+        )
+    if cfg.synth.sampling.greedy:
+        raise ConfigError(
+            "synth.sampling.temperature must be > 0: the target writes user turns by sampling "
+            "(greedy, every turn from one template would be the same); e.g. 1.0."
         )
     if cfg.batching.max_tokens < cfg.batching.pad_multiple:
         raise ConfigError("batching.max_tokens must be >= batching.pad_multiple.")

@@ -19,7 +19,6 @@ show`) and `help_text` (`--help`) are generated from the fields' help text.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import tomllib
 import typing
@@ -34,6 +33,8 @@ from dflash_trainer.config import (
     RENAMED_VALUES,
     Config,
     ConfigError,
+    check_range,
+    suggest,
     validate,
 )
 from dflash_trainer.precision import use_autocast
@@ -62,13 +63,20 @@ def iter_fields(cfg_cls=Config, prefix: str = ""):
             yield f"{prefix}{f.name}", f, tp
 
 
+def subsection_help(cfg_cls=Config, prefix: str = "") -> dict[str, str]:
+    """The help of every sub-section below the top sections ('eval.sampling': ...), by key."""
+    out: dict[str, str] = {}
+    hints = _hints(cfg_cls)
+    for f in dataclasses.fields(cfg_cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            if prefix:
+                out[f"{prefix}{f.name}"] = f.metadata.get("help", "")
+            out.update(subsection_help(hints[f.name], f"{prefix}{f.name}."))
+    return out
+
+
 def all_keys() -> list[str]:
     return [k for k, _, _ in iter_fields()]
-
-
-def _suggest(key: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
-    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 def _type_name(tp) -> str:
@@ -162,22 +170,6 @@ def _coerce(key: str, tp, value: Any) -> Any:
     raise ConfigError(f"{key}: cannot read {value!r} as {_type_name(tp)}.")
 
 
-def _check_range(key: str, f: dataclasses.Field, value: Any) -> None:
-    m = f.metadata
-    if m.get("choices") and value not in m["choices"]:
-        raise ConfigError(
-            f"{key}: {value!r} is not one of {', '.join(map(repr, m['choices']))}."
-            + _suggest(str(value), [str(c) for c in m["choices"]])
-        )
-    lo, hi = m.get("min"), m.get("max")
-    vals = value if isinstance(value, list) else [value]
-    for v in vals:
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            if (lo is not None and v < lo) or (hi is not None and v > hi):
-                rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-                raise ConfigError(f"{key}: {v!r} is outside the valid range {rng}.")
-
-
 def _get_parent(cfg: Config, key: str):
     *path, leaf = key.split(".")
     obj = cfg
@@ -216,12 +208,12 @@ def set_value(cfg: Config, key: str, value: Any, *, origin: str = "flag") -> Non
     if key not in fields:
         raise ConfigError(
             f"unknown config key '{key}' (from {origin})."
-            + _suggest(key, list(fields))
+            + suggest(key, list(fields))
             + " See `dflash-trainer config show`."
         )
     f, tp = fields[key]
     v = _coerce(key, tp, value)
-    _check_range(key, f, v)
+    check_range(key, f, v)
     obj, leaf = _get_parent(cfg, key)
     setattr(obj, leaf, v)
 
@@ -281,7 +273,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         if k not in keys:
             raise ConfigError(
                 f"unknown flag '--{k}'."
-                + _suggest(k, list(keys)).replace("'", "'--", 1)
+                + suggest(k, list(keys)).replace("'", "'--", 1)
                 + " See --help for every field."
             )
         if v is None:
@@ -382,7 +374,7 @@ def _preset_mapping(preset: str) -> dict:
     if not path.is_file():
         raise ConfigError(
             f"unknown preset '{preset}'."
-            + _suggest(preset, list_presets())
+            + suggest(preset, list_presets())
             + f" Available: {', '.join(list_presets())}."
         )
     return load_toml(path)
@@ -423,29 +415,28 @@ def from_dict(d: dict) -> Config:
 
 
 def to_toml(cfg: Config) -> str:
-    """Render as TOML (sections as tables), with each field's help as a comment."""
+    """Render as TOML (sections, and their sub-sections, as tables), with each field's help as a
+    comment."""
     lines: list[str] = []
-    top, sections = [], []
-    hints = _hints(Config)
-    for f in dataclasses.fields(Config):
-        if dataclasses.is_dataclass(hints[f.name]):
-            sections.append(f)
-        else:
-            top.append(f)
 
-    def render(obj, flds):
+    def render(obj: Any, name: str) -> None:
+        hints = _hints(type(obj))
+        flds = dataclasses.fields(obj)
+        subs = [f for f in flds if dataclasses.is_dataclass(hints[f.name])]
         for f in flds:
-            v = getattr(obj, f.name)
+            if f in subs:
+                continue
             unit = f.metadata.get("unit")
             lines.append(f"# {f.metadata.get('help', '')}" + (f" [{unit}]" if unit else ""))
-            lines.append(f"{f.name} = {json.dumps(v)}")
+            lines.append(f"{f.name} = {json.dumps(getattr(obj, f.name))}")
+        for f in subs:
+            table = f"{name}.{f.name}" if name else f.name
+            lines.extend(["", f"[{table}]"])
+            if f.metadata.get("help"):
+                lines.append(f"# {f.metadata['help']}")
+            render(getattr(obj, f.name), table)
 
-    render(cfg, top)
-    for s in sections:
-        lines.append("")
-        lines.append(f"[{s.name}]")
-        sub = getattr(cfg, s.name)
-        render(sub, dataclasses.fields(sub))
+    render(cfg, "")
     return "\n".join(lines) + "\n"
 
 
@@ -491,13 +482,18 @@ def reference_markdown() -> str:
         "(`--preset`).",
     ]
     defaults = Config()
-    section = None
+    section = sub = None
+    subsections = subsection_help()
     for key, f, tp in iter_fields():
         top = key.split(".")[0] if "." in key else ""
         if top != section:
             section = top
             lines += ["", f"## [{top}]" if top else "## top level", ""]
             lines += ["| key | type | meaning | unit, range, default |", "|---|---|---|---|"]
+        parent = key.rpartition(".")[0]
+        if parent in subsections and parent != sub:
+            sub = parent
+            lines.append(f"| `{parent}.*` | section | {subsections[parent]} | |")
         extra = "; ".join(_facts(key, f, tp, defaults)).replace("|", "\\|")
         meaning = f.metadata.get("help", "").replace("|", "\\|")
         lines.append(f"| `{key}` | {_type_name(tp)} | {meaning} | {extra} |")

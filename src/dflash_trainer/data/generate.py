@@ -22,12 +22,12 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config import Config, engine_args
+from dflash_trainer.config import Config, SamplingConfig, engine_args
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
 from dflash_trainer.data.chat import Rendering, prompt_messages, render_text
 from dflash_trainer.data.sources import load_sources
 from dflash_trainer.decode.loop import decode
-from dflash_trainer.decode.sampler import Sampler, hash32_int
+from dflash_trainer.decode.sampler import hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root
 from dflash_trainer.models.target import TargetModel
@@ -44,6 +44,7 @@ _PROVENANCE_KEYS = (
     "max_new_tokens",
     "temperature",
     "top_p",
+    "top_k",
     "thinking",
     "format",
     "chat_template",
@@ -161,7 +162,7 @@ def decode_batch(
     target: TargetModel,
     rows: list[list[int]],
     max_new_tokens: int,
-    sampler: Sampler,
+    sampling: SamplingConfig | None,
     seeds: list[int],
     pad_id: int,
     stop_ids: list[int] | None = None,
@@ -173,7 +174,7 @@ def decode_batch(
     `capture`: a pipeline.feature_cache.CapturedFeatures that keeps each row's taps of prompt
     + new tokens (stop id included), keyed by those ids."""
     out = decode(
-        target, rows, max_new_tokens, sampler, seeds=seeds, stop_ids=stop_ids, pad_id=pad_id,
+        target, rows, max_new_tokens, sampling, seeds=seeds, stop_ids=stop_ids, pad_id=pad_id,
         keep_features=capture is not None,
     )  # fmt: skip
     if capture is not None:
@@ -195,15 +196,15 @@ def row_seed(seed: int, pid: str) -> int:
 
 
 def _generate_batch(
-    target, chunk, settings, pad_id, seed, provenance, rendering, capture=None
+    target, chunk, max_new_tokens, sampling, pad_id, seed, provenance, rendering, capture=None
 ) -> tuple:
     """Records for one batch of prompts, and the new tokens they hold (`capture`: decode_batch)."""
     tok = target.tokenizer
     decoded = decode_batch(
         target,
         [t[2] for t in chunk],
-        settings["max_new_tokens"],
-        Sampler(settings["temperature"], settings["top_p"]),
+        max_new_tokens,
+        sampling,
         [row_seed(seed, t[0]) for t in chunk],
         pad_id,
         capture=capture,
@@ -218,8 +219,9 @@ def _generate_batch(
 
 
 def _generate_vllm(
-    vllm, target, todo, settings, seed, provenance, rendering, path, stats, bar, chunk: int
-):
+    vllm, target, todo, max_new_tokens, sampling, seed, provenance, rendering, path, stats, bar,
+    chunk: int,
+):  # fmt: skip
     """Every prompt of `todo` through one vLLM engine, generated in chunks of `chunk` prompts;
     each chunk's records are appended to `path` as it lands (a kill
     loses at most one chunk), counted into `stats` (new tokens: the stop token counted, as in the
@@ -228,13 +230,12 @@ def _generate_vllm(
         raise UserError("generate: engine vllm needs a vLLM engine (models/vllm_engine.py).")
     stop = [int(s) for s in target.eos_token_ids]
     tok = target.tokenizer
-    sampling = {
+    made_by = {
         "engine": "vllm",
         "dtype": vllm.dtype,
         "sampling": {
-            "temperature": settings["temperature"],
-            "top_p": settings["top_p"],
-            "max_tokens": settings["max_new_tokens"],
+            **sampling.record(),
+            "max_tokens": max_new_tokens,
             "seed": seed,
             "stop_token_ids": stop,
         },
@@ -248,7 +249,7 @@ def _generate_vllm(
             row = [int(t) for t in r["tokens"]]
             stopped = bool(row) and row[-1] in stop
             text = tok.decode(row[:-1] if stopped else row, skip_special_tokens=True)
-            made = {"vllm_version": r.get("vllm_version"), **sampling}
+            made = {"vllm_version": r.get("vllm_version"), **made_by}
             fin = {"finish_reason": "stop" if stopped else "length"}
             records.append(answer_record(rendering, pid, msgs, text, {**provenance, **made, **fin}))
             new_tokens += len(row)
@@ -259,12 +260,11 @@ def _generate_vllm(
 
     res = vllm.generate(
         [t[2] for t in todo],
-        settings["max_new_tokens"],
+        max_new_tokens,
         write,
         chunk=chunk,
         stop_ids=stop,
-        temperature=settings["temperature"],
-        top_p=settings["top_p"],
+        sampling=sampling,
         seed=seed,
     )
     log.info(
@@ -283,8 +283,7 @@ def generate_responses(
     *,
     max_new_tokens: int = 256,
     batch_size: int = 16,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    sampling: SamplingConfig | None = None,
     rendering: Rendering | None = None,
     seed: int = 0,
     progress: bool = True,
@@ -298,7 +297,7 @@ def generate_responses(
 
     `prompts`: objects with `.id` and `.messages` (data.sources.Conversation). `rendering`:
     how prompts become ids and answers records (`Rendering.from_config(cfg)`; None =
-    `Rendering()`, chat). Greedy when temperature == 0, else sampled with temperature/top_p.
+    `Rendering()`, chat). `sampling`: how tokens are chosen (None = greedy).
     Batches are left padded; prompts are sorted by length so a batch wastes little padding.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
     `engine`: "hf" = the project's decode loop (decode/loop.py), batched; "vllm" = vLLM's offline
@@ -313,11 +312,10 @@ def generate_responses(
     rendering = rendering or Rendering()
     if max_new_tokens < 1 or batch_size < 1:
         raise UserError("generate: generate.max_new_tokens and generate.batch_size must be >= 1.")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise UserError("generate: generate.temperature must be >= 0 and generate.top_p in (0, 1].")
+    sampling = sampling or SamplingConfig()
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    settings = {"max_new_tokens": max_new_tokens, **sampling.record()}
     provenance = _provenance(target, settings, rendering, engine, seed, extra_provenance)
     done = read_done_ids(path, expect=provenance)
     todo = _todo(prompts, done, target.tokenizer, rendering)
@@ -336,14 +334,15 @@ def generate_responses(
         len(todo) + len(done), initial=len(done), desc="generate", unit="prompt", enabled=progress
     ) as bar:
         if engine == "vllm":
-            how = (settings, seed, provenance, rendering, path, stats, bar, chunk_prompts)
-            _generate_vllm(vllm, target, todo, *how)
+            how = (max_new_tokens, sampling, seed, provenance, rendering, path, stats, bar)
+            _generate_vllm(vllm, target, todo, *how, chunk_prompts)
             return _timed(stats, t0)
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
             records, new_tokens = _generate_batch(
-                target, chunk, settings, pad_id, seed, provenance, rendering, capture
-            )
+                target, chunk, max_new_tokens, sampling, pad_id, seed, provenance, rendering,
+                capture,
+            )  # fmt: skip
             _append_records(path, records)
             _count_batch(stats, len(records), new_tokens, t0)
             bar.update(len(chunk))
@@ -364,7 +363,7 @@ def _provenance(
     """What every answer record says made it (and a resumed file must match where it counts)."""
     return {
         "target": target.name,
-        **settings,  # max_new_tokens, temperature, top_p
+        **settings,  # max_new_tokens, temperature, top_p (and top_k where set)
         "thinking": rendering.enable_thinking,
         **rendering.identity(),
         # not settings a resumed file must share (_PROVENANCE_KEYS): files from before them resume
@@ -493,12 +492,7 @@ def choose_engine(cfg: Config, choice: str, budget: int) -> tuple[str, VLLMEngin
 def gen_settings(cfg: Config) -> dict:
     """The [generate] settings that decide the answers (the embedded data set's cache key)."""
     g = cfg.generate
-    return {
-        "max_new_tokens": g.max_new_tokens,
-        "batch_size": g.batch_size,
-        "temperature": g.temperature,
-        "top_p": g.top_p,
-    }
+    return {"max_new_tokens": g.max_new_tokens, "batch_size": g.batch_size, **g.sampling.record()}
 
 
 def generate_with(cfg: Config, target, prompts, out, capture=None) -> dict:
@@ -509,7 +503,9 @@ def generate_with(cfg: Config, target, prompts, out, capture=None) -> dict:
     choice = cfg.generate.engine
     revision = {"target_revision": cfg.target.revision} if cfg.target.revision else {}
     how = dict(
-        gen_settings(cfg),
+        max_new_tokens=cfg.generate.max_new_tokens,
+        batch_size=cfg.generate.batch_size,
+        sampling=cfg.generate.sampling,
         extra_provenance=revision,
         rendering=Rendering.from_config(cfg),
         seed=cfg.seed,

@@ -39,7 +39,7 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, SamplingConfig, SynthConfig
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import (
     choose_engine,
@@ -51,7 +51,7 @@ from dflash_trainer.data.generate import (
     settings_digest,
 )
 from dflash_trainer.data.sources import Conversation
-from dflash_trainer.decode.sampler import Sampler, hash32_int
+from dflash_trainer.decode.sampler import hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root, write_atomic
 from dflash_trainer.models.target import TargetModel
@@ -197,12 +197,11 @@ def _sample_hf(target, row: list[int], count: int, s, stop, seed: int) -> list[t
     The sampler is keyed by (seed, position): each copy of the row gets its own seed."""
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
-    sampler = Sampler(s.temperature, s.top_p, s.top_k)
     out: list[tuple] = []
     for c0 in range(0, count, _HF_BATCH):
         n = min(_HF_BATCH, count - c0)
         seeds = [hash32_int(seed * 1_000_003 + c0 + i) for i in range(n)]
-        out += decode_batch(target, [row] * n, s.max_tokens, sampler, seeds, pad, list(stop))
+        out += decode_batch(target, [row] * n, s.max_tokens, s.sampling, seeds, pad, list(stop))
     return out
 
 
@@ -212,9 +211,7 @@ def _sample_vllm(vllm, rows: list[list[int]], count: int, s, stop, seed: int) ->
         rows,
         s.max_tokens,
         stop_ids=stop,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
+        sampling=s.sampling,
         seed=seed,
         mode="generate",
         n=count,
@@ -283,9 +280,9 @@ def synth_provenance(cfg: Config, engine: str, dtype: str) -> dict:
     return {
         "synthesised": True,
         "seed": s.seed,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
+        "temperature": s.sampling.temperature,
+        "top_p": s.sampling.top_p,
+        "top_k": s.sampling.top_k,
         "max_tokens": s.max_tokens,
         "min_chars": s.min_chars,
         "near_duplicate": s.near_duplicate,
@@ -385,13 +382,12 @@ def as_prompts(path) -> list[Conversation]:
 
 def synth_cache_paths(cfg: Config) -> tuple[Path, Path]:
     """(prompts, answers) of the `synth` data source in the cache, each named by every setting
-    that makes it: greedy and sampled answers (synth.answer_*) share one prompts file."""
+    that makes it: greedy and sampled answers (synth.answer_sampling) share one prompts file."""
     s, g = cfg.synth, cfg.generate
     dtype = dtype_name(cfg.target.dtype, cfg.pipeline.target_devices[0])
     made = {**synth_provenance(cfg, g.engine, dtype), "prompts": s.prompts, "hints": list(s.hints)}
-    temperature, top_p = answer_sampling(s)
     answered = {**made, "answer_tokens": g.max_new_tokens, "batch_size": g.batch_size}
-    answered.update(temperature=temperature, top_p=top_p, answer_seed=cfg.seed)
+    answered.update(answer_sampling(s).record(), answer_seed=cfg.seed)
     root = cache_root(cfg.target.cache_dir) / "synth"
     return (
         root / f"{settings_digest(made)}.prompts.jsonl",
@@ -399,14 +395,16 @@ def synth_cache_paths(cfg: Config) -> tuple[Path, Path]:
     )
 
 
-def answer_sampling(s) -> tuple[float, float]:
-    """(temperature, top_p) of the answers to the synthesised prompts (top_p 1 when greedy)."""
-    return s.answer_temperature, (s.answer_top_p if s.answer_temperature > 0 else 1.0)
+def answer_sampling(s: SynthConfig) -> SamplingConfig:
+    """How the synthesised prompts are answered: synth.answer_sampling, any greedy one read as
+    plain greedy (its top_p and top_k change nothing, so they do not split the cache)."""
+    a = s.answer_sampling
+    return a if not a.greedy else SamplingConfig()
 
 
 def ensure_synth_responses(cfg: Config, target=None, capture=None) -> Path:
     """The `synth` data source: synth.prompts prompts the target writes (synthesize_prompts),
-    answered by the target with [generate]'s length, batch and engine and synth.answer_*'s
+    answered by the target with [generate]'s length, batch and engine and synth.answer_sampling's
     sampling; both cached and resumed by settings (synth_cache_paths). Returns the answers'
     JSONL. The target is loaded only when something is missing; `capture`: generate_with."""
     if cfg.synth.prompts < 1:
@@ -422,9 +420,9 @@ def ensure_synth_responses(cfg: Config, target=None, capture=None) -> Path:
     if target is None:
         target = TargetModel.load(cfg.target, cfg.pipeline.target_devices[0])
     prompts = synthesized_prompts(cfg, target, prompts_file, cfg.generate.engine)
-    temperature, top_p = answer_sampling(cfg.synth)
-    g = replace(cfg.generate, temperature=temperature, top_p=top_p)
-    how = f"T={temperature:g}, top-p {top_p:g}" if temperature > 0 else "greedy"
+    sampling = answer_sampling(cfg.synth)
+    g = replace(cfg.generate, sampling=sampling)
+    how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}, top-p {sampling.top_p:g}"
     print(
         f"dflash-trainer: answering the synthesised prompts with {cfg.target.model} ({how}) into "
         f"{answers} (one time; resumable)",

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.decode.draft import (
     AdaptiveVerify,
     Drafter,
@@ -33,11 +34,9 @@ from dflash_trainer.decode.draft import (
     commit,
     draft_block,
 )
-from dflash_trainer.decode.sampler import Sampler
+from dflash_trainer.decode.sampler import choose
 from dflash_trainer.models.kv_cache import all_growing, left_padded, new_kv_cache
 from dflash_trainer.models.target import TargetModel
-
-GREEDY = Sampler()
 
 
 @dataclass
@@ -128,7 +127,7 @@ def decode(
     target: TargetModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    sampler: Sampler = GREEDY,
+    sampling: SamplingConfig | None = None,
     *,
     seeds: Sequence[int] | None = None,
     stop_ids: Sequence[int] | None = None,
@@ -166,7 +165,7 @@ def decode(
     seeds = [0] * len(rows) if seeds is None else [int(s) for s in seeds]
     if len(seeds) != len(rows):
         raise ValueError(f"{len(seeds)} seeds for {len(rows)} prompts")
-    loop = _Loop(target, sampler, stop, drafter, block_size, verify, keep_features, results)
+    loop = _Loop(target, sampling, stop, drafter, block_size, verify, keep_features, results)
     loop.run(rows, seeds, max_new_tokens, pad_id)
     return results
 
@@ -178,7 +177,7 @@ class _Loop:
     def __init__(
         self,
         target: TargetModel,
-        sampler: Sampler,
+        sampling: SamplingConfig | None,
         stop: set[int],
         drafter: Drafter | None,
         block_size: int,
@@ -186,7 +185,7 @@ class _Loop:
         keep_features: bool,
         results: list[GenResult],
     ):
-        self.target, self.sampler, self.stop, self.results = target, sampler, stop, results
+        self.target, self.sampling, self.stop, self.results = target, sampling, stop, results
         self.drafter, self.block_size = drafter, block_size
         self.spec = drafter is not None and block_size > 1
         self.keep_features = keep_features
@@ -226,7 +225,7 @@ class _Loop:
         else:
             logits, row_feats = got
         seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-        first = self.sampler.choose(logits[:, -1], pos[:, -1] + 1, seed_t)  # tokens at P
+        first = choose(self.sampling, logits[:, -1], pos[:, -1] + 1, seed_t)  # tokens at P
         for i, f in enumerate(row_feats):
             self.feats[i].append(f)
         live = _Rows(list(range(len(rows))), first, pos[:, -1] + 1, seed_t, mask, [])
@@ -299,7 +298,7 @@ class _Loop:
         logits, taps = self.target.forward(
             block, pos, self.cache, taps=self.taps, attention_mask=live.mask
         )
-        choices = self.sampler.choose(logits, pos + 1, live.seeds[:, None])  # [R, q]
+        choices = choose(self.sampling, logits, pos + 1, live.seeds[:, None])  # [R, q]
         host = torch.cat([block, choices], 1).tolist()  # the one host read per cycle
         keep, n, a = [], 1, 0
         for i, r in enumerate(live.index):

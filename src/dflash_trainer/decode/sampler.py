@@ -9,9 +9,9 @@ would sample alone. Keys are hashed on the device, so a batched step needs no ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from dflash_trainer.config import SamplingConfig
 
 _M32 = 0xFFFFFFFF
 
@@ -73,34 +73,19 @@ def top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
-@dataclass(frozen=True)
-class Sampler:
-    """How the target's token is chosen: greedy (temperature 0) or a position-keyed sample."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = every token; applied before top_p, as vLLM and transformers do
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
-            raise ValueError(
-                "need temperature >= 0, 0 < top_p <= 1 and top_k >= 0, got "
-                f"{self.temperature}, {self.top_p}, {self.top_k}"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-    def choose(
-        self, logits: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor | int = 0
-    ) -> torch.Tensor:
-        """The token at each position: logits [..., V] -> [...]. `positions` [...] are the
-        absolute positions of the tokens being chosen; `seeds` one per row or one for all."""
-        if self.greedy:
-            return logits.argmax(-1)
-        scaled = top_k_logits(logits.float() / self.temperature, self.top_k)
-        scaled = top_p_logits(scaled, self.top_p)
-        seeds = torch.as_tensor(seeds, dtype=torch.int64, device=logits.device)
-        noise = position_noise(seeds, positions.to(logits.device), logits.shape[-1])
-        return (scaled + noise).argmax(-1)  # Gumbel-max: an exact sample from softmax(scaled)
+def choose(
+    sampling: SamplingConfig | None,
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    seeds: torch.Tensor | int = 0,
+) -> torch.Tensor:
+    """The token at each position: logits [..., V] -> [...], greedy where `sampling` is None or
+    greedy. `positions` [...] are the absolute positions of the tokens being chosen; `seeds` one
+    per row or one for all."""
+    if sampling is None or sampling.greedy:
+        return logits.argmax(-1)
+    scaled = top_k_logits(logits.float() / sampling.temperature, sampling.top_k)
+    scaled = top_p_logits(scaled, sampling.top_p)
+    seeds = torch.as_tensor(seeds, dtype=torch.int64, device=logits.device)
+    noise = position_noise(seeds, positions.to(logits.device), logits.shape[-1])
+    return (scaled + noise).argmax(-1)  # Gumbel-max: an exact sample from softmax(scaled)

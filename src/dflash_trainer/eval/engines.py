@@ -93,10 +93,10 @@ def comparison_engine(
         raise UserError(f"eval.compare={name} decodes the export, and this run wrote none.")
     stop = list(target.eos_token_ids)
     if name == "reference":
-        if cfg.eval.temperature > 0:
+        if not cfg.eval.sampling.greedy:
             raise UserError(
                 "eval.compare=reference: the reference loop (dflash_generate) decodes greedily; "
-                "compare it at --eval.temperature=0 (vLLM compares at any temperature)."
+                "compare it at --eval.sampling.temperature=0 (vLLM compares at any temperature)."
             )
         return ReferenceLoop(export_dir, target.model, stop, progress=cfg.metrics.console)
     engine, why = engine_for_config(cfg, dtype, required="vLLM is needed here but cannot run")
@@ -104,9 +104,7 @@ def comparison_engine(
         raise UserError(f"eval.compare=vllm: {why}")
     # at temperature > 0 the acceptance compares (the same rule: tests/test_engine_rule.py),
     # the sampled tokens do not
-    return ServedLoop(
-        engine, export_dir, stop, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p
-    )
+    return ServedLoop(engine, export_dir, stop, sampling=cfg.eval.sampling)
 
 
 def compared_engines(cfg: Config) -> list[str]:
@@ -114,7 +112,7 @@ def compared_engines(cfg: Config) -> list[str]:
     temperature > 0 vLLM only: the reference loop is greedy) added."""
     names = list(cfg.eval.compare)
     if cfg.eval.engine == "vllm":
-        adds = ("reference", "vllm") if cfg.eval.temperature <= 0 else ("vllm",)
+        adds = ("reference", "vllm") if cfg.eval.sampling.greedy else ("vllm",)
         names += [n for n in adds if n not in names]
     return names
 

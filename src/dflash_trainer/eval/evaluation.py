@@ -13,11 +13,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, SamplingConfig
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.decode.draft import Drafter
 from dflash_trainer.decode.loop import GenResult, decode
-from dflash_trainer.decode.sampler import Sampler
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.dtype import drafter_in, target_in
 from dflash_trainer.eval.metrics import EvalSummary, summarize
@@ -69,8 +68,7 @@ def evaluate(
     prompts: Sequence[Any],
     max_new_tokens: int,
     block_size: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    sampling: SamplingConfig | None = None,
     stop_ids: Sequence[int] | None = None,
     seed: int = 0,
     baseline: bool = True,
@@ -92,7 +90,7 @@ def evaluate(
     drafter = _unwrap(drafter)
     device = _target_device(target)
     stop = list(target.eos_token_ids if stop_ids is None else stop_ids)
-    sampler = Sampler(temperature, top_p)
+    sampled = sampling is not None and not sampling.greedy
 
     def run(ids: torch.Tensor, n: int, seed: int, spec: bool) -> GenResult:
         """One prompt decoded: with the drafter (`spec`) or plainly (block 1, no drafter)."""
@@ -100,8 +98,8 @@ def evaluate(
             target,
             ids.tolist(),
             n,
-            sampler,
-            seeds=[_sampling_seed(seed) if temperature > 0 else 0],
+            sampling,
+            seeds=[_sampling_seed(seed) if sampled else 0],
             stop_ids=stop,
             drafter=drafter if spec else None,
             block_size=block_size if spec else 1,
@@ -163,8 +161,7 @@ def run_conversations(
     convs: Sequence[tuple[str, list[dict]]],
     max_new_tokens: int,
     block_size: int,
-    temperature: float,
-    top_p: float,
+    sampling: SamplingConfig | None,
     rendering: Rendering,
     seed: int = 0,
     dtype: torch.dtype | None = None,
@@ -209,8 +206,7 @@ def run_conversations(
                     [ids],
                     max_new_tokens,
                     block_size,
-                    temperature,
-                    top_p,
+                    sampling,
                     seed=seed + 1000 * ci + len(history),
                     warmup=not spec,
                     progress=False,  # one prompt per call: the bar counts conversations
@@ -297,8 +293,7 @@ def evaluate_datasets(cfg: Config, target: Any, drafter: Any, block_size: int) -
                 part,
                 cfg.eval.max_new_tokens,
                 block_size,
-                cfg.eval.temperature,
-                cfg.eval.top_p,
+                cfg.eval.sampling,
                 rendering,
                 seed=cfg.eval.seed,
                 progress=cfg.metrics.console,

@@ -177,7 +177,7 @@ def parity_error(problems: list[str]) -> UserError:
 
 def greedy_served(run: EvalRun | None, cfg: Config) -> bool:
     """Did `run` compare vLLM greedily (so its served decodes are the gate's evidence)?"""
-    return run is not None and "vllm" in run.compared and cfg.eval.temperature <= 0
+    return run is not None and "vllm" in run.compared and cfg.eval.sampling.greedy
 
 
 def parity_gate(

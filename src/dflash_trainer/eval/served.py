@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trainer.config import SamplingConfig
 from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.models.vllm_engine import VLLMEngine
@@ -103,17 +104,14 @@ def served_evaluate(
     block_size: int,
     stop_ids: Sequence[int] = (),
     baseline: bool = True,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    sampling: SamplingConfig | None = None,
 ) -> ServedEval:
     """The export served as vLLM's DFlash drafter on `prompts`, and vLLM's plain greedy
-    decoding of the same prompts (`baseline`): the same EvalSummary as evaluate(). At
-    `temperature` > 0 vLLM samples (its own seed: one sample per prompt) and accepts the drafts
-    by its rejection rule, which our loop's rule equals in law (tests/test_engine_rule.py): the
-    acceptance compares, the tokens do not."""
-    spec = engine.run(
-        prompts, max_new_tokens, drafter_dir, block_size, stop_ids, temperature, top_p
-    )
+    decoding of the same prompts (`baseline`): the same EvalSummary as evaluate(). Where
+    `sampling` samples (temperature > 0) vLLM samples (its own seed: one sample per prompt)
+    and accepts the drafts by its rejection rule, which our loop's rule equals in law
+    (tests/test_engine_rule.py): the acceptance compares, the tokens do not."""
+    spec = engine.run(prompts, max_new_tokens, drafter_dir, block_size, stop_ids, sampling)
     results = [served_result(r, block_size) for r in spec["results"]]
     ar = None
     wall = spec["wall_s"]
@@ -145,8 +143,7 @@ class ServedLoop:
     export_dir: str | Path
     stop_ids: Sequence[int] = ()
     baseline: bool = True
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: SamplingConfig | None = None  # None = greedy
     name: str = "vllm"
     same_clock: bool = False  # vLLM's clock: its speedup is against its own plain greedy
     last: ServedEval | None = None
@@ -161,9 +158,9 @@ class ServedLoop:
             max_new_tokens,
             block_size,
             self.stop_ids,
-            self.baseline and self.temperature <= 0,  # a sampled baseline proves nothing
-            self.temperature,
-            self.top_p,
+            # a sampled baseline proves nothing
+            self.baseline and (self.sampling is None or self.sampling.greedy),
+            self.sampling,
         )
         return self.last.summary
 

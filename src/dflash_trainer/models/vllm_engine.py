@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config import Config, TargetConfig
+from dflash_trainer.config import Config, SamplingConfig, TargetConfig
 from dflash_trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -197,21 +197,19 @@ class VLLMEngine:
         drafter: str | Path | None = None,
         block_size: int = 1,
         stop_ids: Sequence[int] = (),
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        sampling: SamplingConfig | None = None,
         seed: int = 0,
         mode: str = "decode",
         n: int = 1,
     ) -> dict:
-        """The worker's result dict (models/vllm_worker.py) for `prompts`. `n` > 1 (mode
-        "generate"): that many sampled continuations per prompt, each result's "samples"."""
-        req = self._request(prompts, max_new_tokens, stop_ids, temperature, top_p, seed, mode)
+        """The worker's result dict (models/vllm_worker.py) for `prompts`, greedy where
+        `sampling` is None. `n` > 1 (mode "generate"): that many sampled continuations per
+        prompt, each result's "samples"."""
+        req = self._request(prompts, max_new_tokens, stop_ids, sampling, seed, mode)
         req.update(
             drafter=str(Path(drafter).resolve()) if drafter else None,
             # vLLM ignores the export's block_size: the block is 1 + num_speculative_tokens
             num_speculative_tokens=block_size - 1,
-            top_k=int(top_k),
             n=int(n),
         )
         res = self._launch(req, None, None)
@@ -233,8 +231,7 @@ class VLLMEngine:
         *,
         chunk: int,
         stop_ids: Sequence[int] = (),
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        sampling: SamplingConfig | None = None,
         seed: int = 0,
     ) -> dict:
         """Regeneration at scale: one engine generates `prompts` in calls of `chunk`, and each
@@ -242,11 +239,12 @@ class VLLMEngine:
         on with the next (the caller appends them to its output: a kill loses at most one chunk).
         `timeout_s` bounds the time without a finished chunk, not the whole job. Returns the
         worker's summary (version, start-up and run seconds; its "results" empty)."""
-        req = self._request(prompts, max_new_tokens, stop_ids, temperature, top_p, seed, "generate")
+        req = self._request(prompts, max_new_tokens, stop_ids, sampling, seed, "generate")
         req["chunk"] = int(chunk)
         return self._launch(req, "stream.jsonl", on_results)
 
-    def _request(self, prompts, max_new_tokens, stop_ids, temperature, top_p, seed, mode) -> dict:
+    def _request(self, prompts, max_new_tokens, stop_ids, sampling, seed, mode) -> dict:
+        s = sampling or SamplingConfig()
         return {
             "target": self.target,
             "drafter": None,
@@ -254,9 +252,9 @@ class VLLMEngine:
             "prompts": [list(map(int, p)) for p in prompts],
             "max_tokens": max_new_tokens,
             "stop_token_ids": list(map(int, stop_ids)),
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": 0,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,  # 0 = off, vLLM's own convention too
             "seed": seed,
             "mode": mode,
             "n": 1,
