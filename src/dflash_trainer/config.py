@@ -539,9 +539,19 @@ class PipelineConfig:
     collective_timeout_s: float = _f(
         120.0,
         "torchrun runs: timeout of every collective (DDP, "
-        "stop vote, checkpoint gather) and of the rendezvous",
+        "stop vote, checkpoint gather) and of the rendezvous; with pipeline.split also of each "
+        "feature transfer and of a target rank's wait for the next batch a drafter rank asks for",
         unit="s",
         min=1.0,
+    )
+    split: str = _f(
+        "",
+        "torchrun runs: 'T:D' = T target ranks feed D drafter ranks, one device per rank "
+        "(cuda:LOCAL_RANK, or cpu), T+D ranks in all, drafter ranks first; batch i of the "
+        "plan runs on target rank i mod T and trains on drafter rank i mod D, its features sent "
+        "rank to rank (pipeline/feed.py); '' = co-located cells (one drafter device + "
+        "target_devices per rank)",
+        unit="ranks",
     )
 
 
@@ -995,8 +1005,44 @@ def shard_of(spec: str) -> tuple[int, int]:
     return int(i), int(n)
 
 
+def split_of(spec: str) -> tuple[int, int] | None:
+    """pipeline.split "T:D" as (T target ranks, D drafter ranks); None for '' (co-located
+    cells)."""
+    if not spec:
+        return None
+    t, colon, d = spec.partition(":")
+    if not (colon and t.strip().isdigit() and d.strip().isdigit() and int(t) and int(d)):
+        raise ConfigError(
+            f"pipeline.split: '{spec}' is not T:D with T, D >= 1 (e.g. 1:3: one target rank "
+            "feeding three drafter ranks); '' = co-located cells."
+        )
+    return int(t), int(d)
+
+
+def _validate_split(p: PipelineConfig) -> None:
+    """pipeline.split: one device per rank, the pipelined schedule, no feature cache."""
+    if split_of(p.split) is None:
+        return
+    kinds = {d.split(":")[0] for d in [p.drafter_device, *p.target_devices]}
+    if len(p.target_devices) != 1 or len(kinds) != 1:
+        raise ConfigError(
+            f"pipeline.split={p.split}: every rank runs one device (a target rank its target, a "
+            "drafter rank its drafter), cuda:LOCAL_RANK or cpu; set pipeline.drafter_device and "
+            "one pipeline.target_devices entry of the same kind (both cuda, or both cpu), here "
+            f"{p.drafter_device!r} and {list(p.target_devices)}."
+        )
+    if p.schedule != "pipelined":
+        raise ConfigError(f"pipeline.split={p.split} needs pipeline.schedule=pipelined.")
+    if p.feature_cache_gb > 0:
+        raise ConfigError(
+            f"pipeline.split={p.split}: the feature cache (pipeline.feature_cache_gb) is for "
+            "co-located CPU runs; set it to 0."
+        )
+
+
 def validate(cfg: Config) -> Config:
     """Cross-field checks that a single field's range cannot express."""
+    _validate_split(cfg.pipeline)
     engine_args(cfg.generate.vllm_args)
     shard_of(cfg.generate.shard)
     d = cfg.drafter

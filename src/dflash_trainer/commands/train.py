@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, split_of
 from dflash_trainer.errors import UserError
 from dflash_trainer.run import train
 from dflash_trainer.run.build import require_sources
@@ -45,11 +45,29 @@ def launch_torchrun(nproc: int, args) -> int:
     return subprocess.call(cmd)
 
 
+def launch_count(cfg: Config, nproc: int) -> int:
+    """Processes `train` launches: --nproc, or with pipeline.split T:D, T+D (a --nproc that
+    differs is refused naming both)."""
+    split = split_of(cfg.pipeline.split)
+    if split is None:
+        return nproc
+    world = sum(split)
+    if nproc > 1 and nproc != world:
+        raise UserError(
+            f"--nproc {nproc} does not match pipeline.split={cfg.pipeline.split} ({split[0]} "
+            f"target + {split[1]} drafter ranks = {world} processes): pass --nproc {world}, or "
+            "leave --nproc out (the split launches its ranks itself)."
+        )
+    return world
+
+
 def run(cfg: Config, args) -> int:
     require_sources(cfg)  # before any process or directory is touched
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        # Convenience: relaunch this very command under torchrun, one process per cell.
-        return launch_torchrun(args.nproc, args)
+    nproc = launch_count(cfg, args.nproc)
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        # Convenience: relaunch this very command under torchrun, one process per cell (or
+        # per rank of a pipeline.split).
+        return launch_torchrun(nproc, args)
     rank = int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.overwrite and cfg.checkpoint.resume_from:
         if Path(cfg.checkpoint.resume_from).resolve().is_relative_to(Path(cfg.run_dir).resolve()):

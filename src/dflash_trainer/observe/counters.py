@@ -17,8 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # prefetch: plans and builds batches; target: target forwards; drafter: drafter training;
-# sequential: both in one thread (its counters count the drafter side).
-ROLES = ("prefetch", "target", "drafter", "sequential")
+# sequential: both in one thread (its counters count the drafter side); feed: features sent to
+# or received from another rank (pipeline.split, pipeline/feed.py).
+ROLES = ("prefetch", "target", "drafter", "sequential", "feed")
 TRAINING_ROLES = ("drafter", "sequential")  # roles whose counters count drafter training
 
 

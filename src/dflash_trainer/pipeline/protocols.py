@@ -27,6 +27,7 @@ class Target(Protocol):
     model: Any  # the transformers PreTrainedModel
     tokenizer: Any
     layer_ids: list[int]  # the tapped decoder layers, 0-based
+    hidden_size: int  # of its decoder layers (a tap's width)
     device: torch.device
     dtype: torch.dtype
     embed_weight: torch.Tensor  # shared with the drafter, frozen

@@ -22,6 +22,8 @@ from dflash_trainer.pipeline.distributed import (
     localize_config,
 )
 from dflash_trainer.pipeline.runtime import StageError
+from dflash_trainer.pipeline.split import Split, init_split, localize_split
+from dflash_trainer.run.split import run_target_rank
 from dflash_trainer.run.trainer import train
 
 log = logging.getLogger(__name__)
@@ -52,17 +54,25 @@ def _prepare_data_rank0_first(cfg: Config, ctx: DistContext, target) -> dict:
 
 
 def train_distributed(cfg: Config, **train_kwargs):
-    """Run this rank's cell of a torchrun job: init, localize devices, train, tear down.
+    """Run this rank's cell of a torchrun job (or, with pipeline.split, its target or drafter
+    rank): init, localize devices, train, tear down.
     A failure is printed naming the rank that failed first, then the process exits at once."""
 
-    ctx = init_from_env(cfg.pipeline)
+    split = Split.of(cfg.pipeline.split)  # pipeline/split.py: T target + D drafter ranks
+    ctx = init_split(cfg.pipeline, split) if split is not None else init_from_env(cfg.pipeline)
     if ctx is None:
         return train(cfg, **train_kwargs)
     try:
-        cfg = localize_config(cfg, ctx.local_rank, ctx.local_world_size)
+        if split is not None:
+            cfg = localize_split(cfg, ctx.local_rank, ctx.local_world_size)
+        else:
+            cfg = localize_config(cfg, ctx.local_rank, ctx.local_world_size)
         if train_kwargs.get("train_set") is None:
             train_kwargs.update(_prepare_data_rank0_first(cfg, ctx, train_kwargs.get("target")))
-        result = train(cfg, dist=ctx, **train_kwargs)
+        if split is not None and not split.is_drafter(ctx.rank):
+            result = run_target_rank(cfg, ctx, split, **train_kwargs)
+        else:
+            result = train(cfg, dist=ctx, **train_kwargs)
     except BaseException as e:  # any failure ends this rank, loudly and fast
         err = ctx.explain_failure(e)
         log.error("rank %d: %s", ctx.rank, err, exc_info=not isinstance(err, StageError))

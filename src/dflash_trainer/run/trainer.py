@@ -41,9 +41,11 @@ from dflash_trainer.observe.ranks import MergingSink, merge_snapshots
 from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.observe.sinks import build_sinks
 from dflash_trainer.pipeline.cores import DrafterTeam
+from dflash_trainer.pipeline.feed import FeatureReceiver, FeatureSource
 from dflash_trainer.pipeline.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
+from dflash_trainer.pipeline.split import Split
 from dflash_trainer.pipeline.stage import FaultInjector, Stage
 from dflash_trainer.pipeline.steps import DrafterStep, TargetStep
 from dflash_trainer.pipeline.workers import (
@@ -309,6 +311,9 @@ class Trainer:
         self.threads: list[Stage] = [self.prefetcher]
         self.queues = [work_q]
         common = dict(events=self.events, stop=self.stop, faults=faults)
+        if getattr(self.dist, "split", None) is not None:  # target ranks feed this one
+            self._build_fed_stages(work_q, start, common)
+            return
         if not pipelined:
             check_taps(cfg, target_step, "target")
             self.threads.append(
@@ -351,18 +356,39 @@ class Trainer:
             )
         if self.cores is not None:
             self.loop.team = DrafterTeam(self.cores, d_threads)
-        self.threads.append(
-            DrafterWorker(
-                "drafter0",
-                threads=d_threads,
-                step_loop=self.loop,
-                hs_q=hs_q,
-                num_producers=len(targets),
-                done=self.done,
-                start=start,
-                **common,
-            )
+        self.threads.append(self._drafter_worker(hs_q, len(targets), d_threads, start, common))
+
+    def _drafter_worker(self, hs_q, producers: int, threads: int, start, common) -> DrafterWorker:
+        return DrafterWorker(
+            "drafter0",
+            threads=threads,
+            step_loop=self.loop,
+            hs_q=hs_q,
+            num_producers=producers,
+            done=self.done,
+            start=start,
+            **common,
         )
+
+    def _build_fed_stages(self, work_q: BoundedQueue, start, common) -> None:
+        """pipeline.split, a drafter rank: the features of its batches come from the target
+        ranks (pipeline/feed.py) instead of a target worker; the drafter takes every thread."""
+        p, parts = self.cfg.pipeline, self.parts
+        hs_q = BoundedQueue("hidden", p.hs_queue_size, p.poll_s)
+        self.queues.append(hs_q)
+        target = parts.target
+        source = FeatureSource(
+            self.dist,
+            self.dist.split,
+            parts.drafter_device,
+            len(target.layer_ids) * int(target.hidden_size),
+            int(target.hidden_size) if parts.objective.needs_target_hidden else 0,
+            parts.feature_dtype,
+        )
+        self.threads.append(
+            FeatureReceiver("feed0", source=source, work_q=work_q, hs_q=hs_q, **common)
+        )
+        self.threads.append(self._drafter_worker(hs_q, 1, p.cpu_threads, start, common))
 
     def _build_monitor(self, monitor):
         if not self.observe:
@@ -577,6 +603,9 @@ def train(
     if dist is not None:
         rank, world_size = dist.rank, dist.world_size
         ddp_wrap = ddp_wrap if ddp_wrap is not None else dist.ddp_wrap
+    split = Split.of(cfg.pipeline.split)
+    if split is not None and getattr(dist, "split", None) is None:
+        split.check_world(1)  # refused: a split runs under torchrun (run/distributed.py)
     parts = build_run(
         cfg,
         target=target,
