@@ -209,6 +209,7 @@ PINNED_KEYS = {
         "precision",
         "fault",
         "collective_timeout_s",
+        "split",
     ],
     "checkpoint": [
         "every_steps",

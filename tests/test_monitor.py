@@ -402,7 +402,7 @@ def test_flops_target_matches_flop_counter():
     fm = FlopsModel.from_configs(
         hf,
         target_layers_run=2,
-        drafter_cfg=types.SimpleNamespace(
+        drafter_config=types.SimpleNamespace(
             hidden_size=64,
             num_layers=1,
             num_heads=4,

@@ -3,9 +3,11 @@ messages (tests/test_vllm_parity.py runs the real engine)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dflash_trainer.decode.loop import GenResult
 from dflash_trainer.errors import UserError
@@ -131,9 +133,15 @@ def test_the_gate_checks_the_comparison_the_evaluation_made(tmp_path, monkeypatc
         parity, "engine_for_config", lambda *a, **k: starts.append(1) or (None, "not here")
     )
     monkeypatch.setattr(parity, "logit_gap", lambda target, prompts: lambda i, a, b: 3.0)
-    (tmp_path / "config.json").write_text(
-        '{"block_size": 4, "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0}}'
-    )
+    from dflash_trainer.models.drafter import DFlashConfig
+    from dflash_trainer.models.export import hf_config
+
+    export = DFlashConfig(
+        hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+        intermediate_size=16, block_size=4, target_layer_ids=[1], num_target_layers=2,
+        mask_token_id=0, vocab_size=16,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(export, torch.float32)))
     spec = [_gen([5, 6, 7, 8, 9], [4]), _gen([1, 2, 3, 4, 5], [4])]
     ours = summarize(spec, spec, 4)
     cfg = Config()

@@ -404,7 +404,7 @@ def _check_config(path: Path, saved: dict, config: dict) -> None:
 
 
 def _load_into(
-    path: Path, meta: dict, *, drafter, optimizer, scheduler, generator, config, then=None
+    path: Path, meta: dict, *, drafter, optimizer, scheduler, generator, config: dict, then=None
 ) -> None:
     """Weights, optimizer, scheduler, generator and torch RNG from `path` (optimizer.pt is read
     once; `then(generator, blob)` sees it)."""
@@ -558,7 +558,9 @@ def lr_segments(plan: ResumePlan | None, total_steps: int) -> list[list[int]]:
     return segments
 
 
-def restore(plan: ResumePlan, *, drafter, optimizer, scheduler, generator, config) -> TrainState:
+def restore(
+    plan: ResumePlan, *, drafter, optimizer, scheduler, generator, config: dict
+) -> TrainState:
     """Load the checkpoint of `plan` into the built objects; this rank's TrainState."""
     _load_into(
         plan.path,

@@ -402,7 +402,7 @@ def _compose(
     return cfg
 
 
-def to_dict(cfg: Any) -> dict:
+def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 

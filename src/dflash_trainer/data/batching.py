@@ -195,7 +195,12 @@ def bucket_entropy(bucket_ids_of_batches, num_buckets: int, window: int = 64) ->
 
 
 def plan_skipping(
-    lengths, batching_cfg, epoch: int, rank: int = 0, world_size: int = 1, skip_samples=None
+    lengths,
+    batching_cfg: BatchingConfig,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    skip_samples=None,
 ) -> EpochPlan:
     """`plan_epoch_detailed` over the samples not in `skip_samples` (dataset indices).
 

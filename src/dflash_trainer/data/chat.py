@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, DataConfig
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import atomic_file, cache_root
 from dflash_trainer.observe.progress import showing_progress
@@ -502,7 +502,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def cache_key(data_cfg, tokenizer, conversations, rendering: Rendering) -> str:
+def cache_key(data_cfg: DataConfig, tokenizer, conversations, rendering: Rendering) -> str:
     conv_h = hashlib.sha256()
     for c in conversations:
         rec = [c.id, c.messages] + (["truncated"] if getattr(c, "truncated", False) else [])
@@ -523,7 +523,7 @@ def cache_key(data_cfg, tokenizer, conversations, rendering: Rendering) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _default_cache_dir(data_cfg) -> Path:
+def _default_cache_dir(data_cfg: DataConfig) -> Path:
     if data_cfg.cache_dir:
         return Path(data_cfg.cache_dir).expanduser()
     return cache_root() / "tokenized"
@@ -532,7 +532,7 @@ def _default_cache_dir(data_cfg) -> Path:
 def _tokenize_all(
     tokenizer,
     conversations,
-    data_cfg,
+    data_cfg: DataConfig,
     rendering: Rendering,
     chunk: int = 512,
     progress: bool = True,
@@ -595,7 +595,7 @@ def pad_token_id(tokenizer) -> int:
 
 
 def build_dataset(
-    data_cfg,
+    data_cfg: DataConfig,
     tokenizer,
     conversations,
     cache_dir=None,

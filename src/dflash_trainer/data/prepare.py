@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, EvalConfig
 from dflash_trainer.data.chat import Rendering, build_dataset, prompt_messages, render_text
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
@@ -130,7 +130,7 @@ def _apportion(sizes: dict[str, int], count: int) -> dict[str, int]:
     return k
 
 
-def split_roles(ids: list[str], sources: list[str], eval_cfg, seed: int) -> list[str]:
+def split_roles(ids: list[str], sources: list[str], eval_cfg: EvalConfig, seed: int) -> list[str]:
     """Per held-out example: 'validation' (picks best/) or 'report' (the reported figure)."""
     strata: dict[str, list[str]] = defaultdict(list)
     for i, s in zip(ids, sources):
@@ -180,7 +180,9 @@ def prepare_data(cfg: Config, tokenizer, target=None, capture=None):
     return train, heldout
 
 
-def split_dataset(dataset, label: dict[str, str], fraction: float, seed: int, eval_cfg, report=()):
+def split_dataset(
+    dataset, label: dict[str, str], fraction: float, seed: int, eval_cfg: EvalConfig, report=()
+):
     """(train, held-out) by conversation id, stratified by `label[id]`. Weighted copies share an
     id and stay on one side; the held-out side keeps one copy of each, in a seeded order, with
     `.sources` and `.roles` (validation / report) set. `report` (data.report_sources): strata

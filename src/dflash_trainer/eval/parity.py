@@ -10,7 +10,6 @@ sample of prompts through the same engines (eval/engines.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,8 @@ from dflash_trainer.eval.engines import EvalRun, ProjectLoop
 from dflash_trainer.eval.evaluation import divergence_gap
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.served import ServedEval, ServedLoop
+from dflash_trainer.models.drafter import DFlashConfig
+from dflash_trainer.models.export import read_export_config
 from dflash_trainer.models.vllm_engine import engine_for_config
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ SERVED_NEAR_TIE_LOGIT_GAP = 0.05
 def parity_problems(
     ours: EvalSummary,
     served: ServedEval | EvalSummary,
-    drafter_cfg: Any,
+    drafter_cfg: DFlashConfig,
     target: str,
     tolerance: float = PARITY_TOLERANCE,
     gap: Callable[[int, Any, Any], float] | None = None,
@@ -99,13 +100,13 @@ def parity_problems(
             ),
             None,
         )
-        k = getattr(drafter_cfg, "block_size", 0) - 1
+        k = drafter_cfg.block_size - 1
         settings = (
             f"served with num_speculative_tokens={k} (block_size - 1), method dflash; check "
-            f"dflash_config.target_layer_ids {list(getattr(drafter_cfg, 'target_layer_ids', []))} "
+            f"dflash_config.target_layer_ids {list(drafter_cfg.target_layer_ids)} "
             f"(vLLM taps the output of decoder layer id, HF hidden_states[id + 1]), "
-            f"rope_theta {getattr(drafter_cfg, 'rope_theta', '?')}, mask_token_id "
-            f"{getattr(drafter_cfg, 'mask_token_id', '?')}, the embedding scale (raw table, scale "
+            f"rope_theta {drafter_cfg.rope_theta}, mask_token_id "
+            f"{drafter_cfg.mask_token_id}, the embedding scale (raw table, scale "
             "1) and that the engine shares the target's lm_head"
         )
         where = (
@@ -138,7 +139,7 @@ def logit_gap(target: Any, prompts: Sequence[Sequence[int]]) -> Callable[[int, A
 def check_parity(
     ours: EvalSummary,
     served: ServedEval,
-    drafter_cfg: Any,
+    drafter_cfg: DFlashConfig,
     target: str,
     tolerance: float = PARITY_TOLERANCE,
     gap: Callable[[int, Any, Any], float] | None = None,
@@ -253,17 +254,3 @@ def _parity_record(run: EvalRun, seconds: float) -> dict:
         "parity/served_lossless": bool(s.lossless),
         "parity/seconds": seconds,
     }
-
-
-def read_export_config(export_dir: str | Path) -> Any:
-    """The export's drafter settings the parity messages name (config.json)."""
-    from types import SimpleNamespace
-
-    d = json.loads((Path(export_dir) / "config.json").read_text(encoding="utf-8"))
-    dc = d.get("dflash_config", {})
-    return SimpleNamespace(
-        block_size=d.get("block_size"),
-        target_layer_ids=dc.get("target_layer_ids", []),
-        mask_token_id=dc.get("mask_token_id"),
-        rope_theta=d.get("rope_theta"),
-    )

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trainer.config import DrafterConfig
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import rope, variants
 from dflash_trainer.models.attention import block_attention
@@ -89,7 +90,7 @@ class DFlashConfig:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_configs(cls, drafter_cfg, target) -> DFlashConfig:
+    def from_configs(cls, drafter_cfg: DrafterConfig, target) -> DFlashConfig:
         """Drafter section of the run config + a loaded target (TargetModel or a duck type with
         .hidden_size .num_layers .layer_ids .vocab_size .model.config [.tokenizer]).
         Shape fields at 0 take the target's (what init=target needs); the RoPE base, at 0, is
@@ -105,7 +106,7 @@ class DFlashConfig:
             raise UserError(f"drafter settings: {e}; change the drafter.* key it names.") from None
 
     @classmethod
-    def _from_configs(cls, drafter_cfg, target, tcfg, pick) -> DFlashConfig:
+    def _from_configs(cls, drafter_cfg: DrafterConfig, target, tcfg, pick) -> DFlashConfig:
         variant = getattr(drafter_cfg, "variant", "dflash")
         return cls(
             hidden_size=int(target.hidden_size),
@@ -126,7 +127,7 @@ class DFlashConfig:
         )
 
 
-def drafter_rope(drafter_cfg, target) -> dict[str, Any]:
+def drafter_rope(drafter_cfg: DrafterConfig, target) -> dict[str, Any]:
     """The drafter's RoPE (DFlashConfig's rope_theta and rope_scaling). The base:
     drafter.rope_theta, or at 0 the target's base for the layers the drafter stands for: with
     init=target the type of the first copied layer (Gemma 3: a sliding layer's local base, a

@@ -49,7 +49,7 @@ def export_dtype(name: str) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def last_layer_tap_warning(config) -> str | None:
+def last_layer_tap_warning(config: DFlashConfig) -> str | None:
     """A warning when the drafter taps the target's last decoder layer: vLLM serves it, SGLang
     cannot capture that layer (sglang#32204) and fails at the first draft step."""
     ids, n = list(config.target_layer_ids), config.num_target_layers
@@ -244,7 +244,7 @@ def export_drafter(
 
 
 def export_weights(
-    config,
+    config: DFlashConfig,
     sd: dict,
     out_dir: str | os.PathLike,
     dtype: torch.dtype | None = None,
@@ -397,6 +397,26 @@ def _config_from_json(d: dict, path: Path) -> DFlashConfig:
         raise UserError(f"{path}: invalid drafter config: {e}.") from None
 
 
+_EXPORT_DIR_HINT = (
+    "point to a directory written by `export_drafter` (config.json + model.safetensors)."
+)
+
+
+def read_export_config(path: str | os.PathLike) -> DFlashConfig:
+    """The drafter config of the export in directory `path` (its config.json), read exactly:
+    a key this reader cannot honour is refused with the reason (`_config_from_json`)."""
+    cfg_path = Path(path) / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise UserError(f"{cfg_path} does not exist; {_EXPORT_DIR_HINT}")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{cfg_path}: not valid JSON ({e}); the file is damaged.") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object.")
+    return _config_from_json(raw, cfg_path)
+
+
 def load_drafter(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DFlashDrafter:
@@ -405,20 +425,10 @@ def load_drafter(
     from safetensors.torch import load_file
 
     d = Path(path)
-    cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
-    for p in (cfg_path, w_path):
-        if not p.is_file():
-            raise UserError(
-                f"{p} does not exist; point to a directory written by "
-                "`export_drafter` (config.json + model.safetensors)."
-            )
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{cfg_path}: not valid JSON ({e}); the file is damaged.") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{cfg_path}: expected a JSON object.")
-    cfg = _config_from_json(raw, cfg_path)
+    w_path = d / WEIGHTS_NAME
+    cfg = read_export_config(d)
+    if not w_path.is_file():
+        raise UserError(f"{w_path} does not exist; {_EXPORT_DIR_HINT}")
     try:
         sd = load_file(str(w_path), device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:

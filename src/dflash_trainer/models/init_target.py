@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from dflash_trainer.config import DrafterConfig
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import variants
 from dflash_trainer.models.drafter import DFlashDrafter, convert_variant
@@ -167,7 +168,7 @@ def init_from_target(drafter: DFlashDrafter, target, init_tap: int = -1) -> list
     return [name for _, _, name in pairs] + ["fc.weight"]
 
 
-def warm_start(path, drafter_cfg, target) -> DFlashDrafter:
+def warm_start(path, drafter_cfg: DrafterConfig, target) -> DFlashDrafter:
     """A drafter that starts from the published-format export at `path` (fine-tuning).
 
     The export's architecture is kept (layers, heads, MLP width, tapped layers, mask token,

@@ -201,7 +201,7 @@ class TargetModel:
         return cls(model, tokenizer, layer_ids, name or type(model).__name__)
 
     @classmethod
-    def load(cls, target_cfg, device: str | torch.device = "cpu") -> TargetModel:
+    def load(cls, target_cfg: TargetConfig, device: str | torch.device = "cpu") -> TargetModel:
         """Load `target_cfg.model` (local dir, hub name at `target.revision`, or
         'embedded:smollm2') with `target.attn_implementation`, frozen, in eval mode."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -456,9 +456,9 @@ def _copy_without_hooks(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _common_load_kwargs(target_cfg) -> dict:
+def _common_load_kwargs(target_cfg: TargetConfig) -> dict:
     """from_pretrained kwargs shared by the tokenizer and the model: remote code, revision."""
-    kwargs = {"trust_remote_code": bool(target_cfg.trust_remote_code)}
+    kwargs: dict[str, Any] = {"trust_remote_code": bool(target_cfg.trust_remote_code)}
     revision = target_cfg.revision
     if revision:
         model = target_cfg.model
@@ -473,7 +473,7 @@ def _common_load_kwargs(target_cfg) -> dict:
     return kwargs
 
 
-def _attn_kwargs(target_cfg) -> dict:
+def _attn_kwargs(target_cfg: TargetConfig) -> dict:
     """The model's attn_implementation kwarg; none for 'auto' (transformers picks)."""
     impl = target_cfg.attn_implementation
     return {} if impl == "auto" else {"attn_implementation": impl}

@@ -16,6 +16,7 @@ Peak TFLOP/s per device comes from a small table (bf16 dense) or the configured 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,29 +51,29 @@ def peak_tflops(device, configured: float = 0.0) -> float:
     return peak_tflops_for_name(torch.cuda.get_device_name(device))
 
 
-def _get(cfg, *names, default=None):
+def _get(model_config: object, *names: str, default: Any = None) -> Any:
     for n in names:
-        v = getattr(cfg, n, None)
+        v = getattr(model_config, n, None)
         if v is not None:
             return v
     if default is not None:
         return default
-    raise ValueError(f"config {type(cfg).__name__} lacks any of {names}")
+    raise ValueError(f"config {type(model_config).__name__} lacks any of {names}")
 
 
-def layer_shape(cfg) -> tuple[int, int, int, int]:
+def layer_shape(model_config: object) -> tuple[int, int, int, int]:
     """(hidden, attn_dim = heads*head_dim, kv_dim, intermediate) of an HF-style or DFlash config."""
-    hidden = int(_get(cfg, "hidden_size"))
-    heads = int(_get(cfg, "num_attention_heads", "num_heads"))
-    kv_heads = int(_get(cfg, "num_key_value_heads", "num_kv_heads", default=heads))
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-    inter = int(_get(cfg, "intermediate_size"))
+    hidden = int(_get(model_config, "hidden_size"))
+    heads = int(_get(model_config, "num_attention_heads", "num_heads"))
+    kv_heads = int(_get(model_config, "num_key_value_heads", "num_kv_heads", default=heads))
+    head_dim = int(getattr(model_config, "head_dim", None) or hidden // heads)
+    inter = int(_get(model_config, "intermediate_size"))
     return hidden, heads * head_dim, kv_heads * head_dim, inter
 
 
-def layer_matmul_params(cfg) -> int:
+def layer_matmul_params(model_config: object) -> int:
     """q, k, v, o projections + gated MLP (gate, up, down) of one decoder layer."""
-    hidden, attn, kv, inter = layer_shape(cfg)
+    hidden, attn, kv, inter = layer_shape(model_config)
     return hidden * attn + 2 * hidden * kv + attn * hidden + 3 * hidden * inter
 
 
@@ -104,9 +105,9 @@ class FlopsModel:
     @classmethod
     def from_configs(
         cls,
-        target_cfg,
+        target_config: object,
         target_layers_run: int,
-        drafter_cfg,
+        drafter_config: object,
         seq_len: float = 1024.0,
         block_size: int | None = None,
     ) -> FlopsModel:
@@ -114,22 +115,22 @@ class FlopsModel:
 
         `target_layers_run` = last tapped layer + 1 (the target forward stops there).
         """
-        t_hidden, t_attn, _, _ = layer_shape(target_cfg)
-        d_hidden, d_attn, d_kv, _ = layer_shape(drafter_cfg)
-        d_layers = int(_get(drafter_cfg, "num_layers", "num_hidden_layers"))
-        taps = getattr(drafter_cfg, "target_layer_ids", None)
+        t_hidden, t_attn, _, _ = layer_shape(target_config)
+        d_hidden, d_attn, d_kv, _ = layer_shape(drafter_config)
+        d_layers = int(_get(drafter_config, "num_layers", "num_hidden_layers"))
+        taps = getattr(drafter_config, "target_layer_ids", None)
         n_taps = len(taps) if taps else 1
-        vocab = int(_get(target_cfg, "vocab_size"))
+        vocab = int(_get(target_config, "vocab_size"))
         context = n_taps * t_hidden * d_hidden + d_layers * 2 * d_hidden * d_kv
         return cls(
-            target_params_matmul=float(target_layers_run * layer_matmul_params(target_cfg)),
+            target_params_matmul=float(target_layers_run * layer_matmul_params(target_config)),
             target_layers=int(target_layers_run),
             target_attn_dim=t_attn,
-            drafter_params_matmul=float(d_layers * layer_matmul_params(drafter_cfg)),
+            drafter_params_matmul=float(d_layers * layer_matmul_params(drafter_config)),
             drafter_layers=d_layers,
             drafter_attn_dim=d_attn,
             drafter_context_params=float(context),
             lm_head_params=float(d_hidden * vocab),
-            block_size=block_size or int(_get(drafter_cfg, "block_size", default=16)),
+            block_size=block_size or int(_get(drafter_config, "block_size", default=16)),
             seq_len=float(seq_len),
         )

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.config import MetricsConfig
 from dflash_trainer.observe.counters import TRAINING_ROLES
 from dflash_trainer.observe.flops import FlopsModel, peak_tflops
 from dflash_trainer.observe.gpu import AllocatorCollector, NvmlCollector
@@ -56,7 +57,7 @@ def _p99(values: list[int]) -> float:
 class Monitor:
     def __init__(
         self,
-        cfg,
+        cfg: MetricsConfig,
         run_dir: str | Path,
         config_dict: dict | None = None,
         workers=(),

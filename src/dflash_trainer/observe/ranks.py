@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from dflash_trainer.observe.sinks import Sink
+
 log = logging.getLogger(__name__)
 
 _SUMS = ("tokens", "steps", "micro_steps")
@@ -74,7 +76,7 @@ def merge_snapshots(snaps: dict[int, dict], world_size: int) -> dict[str, float]
     return m
 
 
-class MergingSink:
+class MergingSink(Sink):
     """Rank 0's sinks with the merged per-rank metrics added to every record (in place, so the
     monitor's `latest()` shows them too). Only rank 0 builds one; other ranks have no sinks."""
 

@@ -129,7 +129,7 @@ class DistContext:
     backend: str
     timeout_s: float
     store: Any = None  # PrefixStore over the rendezvous store
-    ctrl: object = None  # gloo group: votes, gathers
+    ctrl: Any = None  # gloo ProcessGroup: votes, gathers
     _seq: int = 0
     _hb: dict = field(default_factory=dict)
 

@@ -32,6 +32,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from dflash_trainer.config import BatchingConfig
 from dflash_trainer.data.batching import (
     EpochPlan,
     bucket_edges,
@@ -70,7 +71,7 @@ class BatchPrefetcher(Stage):
     def __init__(
         self,
         dataset,
-        batching_cfg,
+        batching_cfg: BatchingConfig,
         work_q,
         stop: threading.Event,
         failures,
