@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -37,6 +38,13 @@ def _rank_main(spec: dict) -> None:
     )
     from dflash_trainer.run.distributed import train_distributed
 
+    if spec.get("any_balance"):  # the balance line even for a run this short
+        import functools
+
+        import dflash_trainer.run.trainer as T
+        from dflash_trainer.observe.balance import assess
+
+        T.assess_balance = functools.partial(assess, min_busy_s=0.0)
     cfg = tiny_config(Path(spec["base"]), **spec["over"])
     res = train_distributed(cfg, target=tiny_target(), train_set=tiny_dataset(N))
     rank = int(os.environ["RANK"])
@@ -45,14 +53,15 @@ def _rank_main(spec: dict) -> None:
         "reason": res.reason,
         "tokens": res.tokens,
         "losses": {str(s): m["loss"] for s, m in res.history},
+        "balance": res.balance,
         "metrics": {k: v for k, v in res.metrics.items() if k.startswith(("dist/", "worker/"))},
     }
     (Path(spec["base"]) / f"result.{rank}.json").write_text(json.dumps(out))
 
 
-def torchrun(base: Path, over: dict, timeout=180) -> subprocess.CompletedProcess:
+def torchrun(base: Path, over: dict, timeout=180, **extra) -> subprocess.CompletedProcess:
     base.mkdir(parents=True, exist_ok=True)
-    spec = json.dumps({"base": str(base), "over": over})
+    spec = json.dumps({"base": str(base), "over": over, **extra})
     cmd = [
         sys.executable,
         "-m",
@@ -107,7 +116,7 @@ def _assert_every_sample_once_per_epoch(run: Path, epochs: int = 2) -> None:
 @pytest.fixture(scope="module")
 def one_two(tmp_path_factory):
     base = tmp_path_factory.mktemp("split12")
-    torchrun(base, dict(BASE, **{"pipeline.split": "1:2"}))
+    torchrun(base, dict(BASE, **{"pipeline.split": "1:2"}), any_balance=True)
     return base, _results(base)
 
 
@@ -128,6 +137,31 @@ def test_one_target_two_drafters_match_one_process(one_two, tmp_path):
     # the target rank computed and sent every batch; the drafter ranks' tokens add up to it
     assert t2["tokens"] == d0["tokens"] + d1["tokens"]
     assert d0["metrics"]["dist/ranks_reporting"] == 2  # the drafter ranks' merged metrics
+    # rank 0's balance verdict read the target rank's figures and sizes the split in T:D terms
+    assert "one drafter can absorb" in d0["balance"], d0["balance"]
+    assert re.search(r"over 3 devices pipeline.split=\d:\d \(this run: 1:2\)", d0["balance"])
+
+
+def test_balance_advises_the_split_in_t_to_d_terms():
+    from dflash_trainer.observe.balance import assess, best_split, remote_target
+    from dflash_trainer.observe.counters import WorkerCounters
+
+    assert best_split(3000, 1000, 8) == (2, 6)  # 2 x 3000 = 6 x 1000
+    assert best_split(1000, 1000, 8) == (4, 4)
+    assert best_split(1000, 7000, 8) == (7, 1)
+    assert best_split(1000, 1000, 3) == (1, 2)  # a tie goes to more drafter ranks
+    s = 10**9
+    drafter = WorkerCounters(name="drafter0", role="drafter", busy_ns=10 * s, tokens=5000)
+    target = WorkerCounters(name="target0", role="target", busy_ns=2 * s, wait_out_ns=8 * s,
+                            tokens=5000)  # fmt: skip
+    b = assess([drafter], remote=[remote_target(target)], split=(1, 2), devices=8)
+    assert b.verdict == "drafter-bound" and b.target_busy == pytest.approx(0.2)
+    assert b.targets_per_drafter == pytest.approx(500 / 2500)
+    assert "balance at T:D = 1:5.0: over 8 devices pipeline.split=2:6 (this run: 1:2)" in b.advice()
+    # a co-located run on GPUs is advised too; on CPU (devices 0) it is not
+    b = assess([target, drafter], devices=8)
+    assert "pipeline.split=2:6." in b.advice() and "this run" not in b.advice()
+    assert "over 8 devices" not in assess([target, drafter]).advice()
 
 
 # ---------------------------------------------------------------------- 2 targets : 1 drafter

@@ -42,6 +42,7 @@ for batches (pipeline/feed.py).
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
@@ -58,6 +59,7 @@ from dflash_trainer.pipeline.distributed import DistContext
 log = logging.getLogger(__name__)
 
 SIGNAL_KEY = "feed/signal"  # a target rank received SIGINT/SIGTERM: the drafters' vote stops
+BALANCE_KEY = "feed/balance/{rank}"  # a target rank's target figures (observe/balance.py)
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,20 @@ class DrafterContext(DistContext):
             forward_sync_buffers=False,
             gradient_as_bucket_view=True,
         )
+
+    def target_figures(self) -> list[dict]:
+        """The latest figures each target rank published of its target worker (balance.py
+        `remote_target`); best effort: ranks that published none are left out."""
+        assert self.split is not None
+        out = []
+        for r in range(self.split.drafters, self.split.world_size):
+            key = BALANCE_KEY.format(rank=r)
+            try:
+                if self.store.check([key]):
+                    out.append(json.loads(self.store.get(key).decode()))
+            except Exception:  # like every collector: never fails the run
+                continue
+        return out
 
     def agree_stop(self, local_stop: bool) -> bool:
         """A target rank's signal joins the vote (one store check per optimizer step)."""

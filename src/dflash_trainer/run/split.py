@@ -12,6 +12,7 @@ SIGNAL_KEY); it ends when the drafters it feeds stop asking.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -24,11 +25,12 @@ import torch
 from dflash_trainer.checkpoint import contiguous_prefix
 from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
+from dflash_trainer.observe.balance import remote_target
 from dflash_trainer.observe.monitor import Monitor
 from dflash_trainer.pipeline.feed import FeatureSender, ShardPrefetcher, target_start, wire_dtype
 from dflash_trainer.pipeline.queues import BoundedQueue
 from dflash_trainer.pipeline.runtime import SignalGuard, Supervisor
-from dflash_trainer.pipeline.split import SIGNAL_KEY, Split
+from dflash_trainer.pipeline.split import BALANCE_KEY, SIGNAL_KEY, Split
 from dflash_trainer.pipeline.stage import FaultInjector
 from dflash_trainer.pipeline.steps import TargetStep
 from dflash_trainer.pipeline.workers import TargetWorker
@@ -145,17 +147,27 @@ class TargetRank:
             self.ctx.store.set(SIGNAL_KEY, str(self.ctx.rank))
             log.warning("signal: the drafter ranks stop after their next step (vote)")
         self.ctx.check_peers(self.events)
+        self.publish()
+
+    def publish(self) -> None:
+        """This rank's target figures for drafter rank 0's balance verdict (best effort)."""
+        try:
+            figures = remote_target(self.worker.counters)
+            self.ctx.store.set(BALANCE_KEY.format(rank=self.ctx.rank), json.dumps(figures))
+        except Exception as e:  # like every collector: never fails the run
+            log.debug("target figures not published: %s", e)
 
     def run(self) -> TrainResult:
         t0 = time.monotonic()
+        t, n = self.ctx.rank - self.split.drafters, self.split.targets
         log.info(
-            "target rank %d of split %s: batches %d, %d + %d, ... of each epoch's plan, from "
-            "epoch %d batch %d of this share",
+            "target rank %d of split %s: batches %d, %d, %d, ... of each epoch's plan, from "
+            "epoch %d, batch %d of this share",
             self.ctx.rank,
             self.split.spec,
-            self.ctx.rank - self.split.drafters,
-            self.ctx.rank - self.split.drafters,
-            self.split.targets,
+            t,
+            t + n,
+            t + 2 * n,
             *self.prefetcher.start_position,
         )
         with self.signals:
@@ -163,6 +175,7 @@ class TargetRank:
                 outcome = self.sup.run()
             except BaseException as e:
                 raise self.ctx.explain_failure(e)  # noqa: B904
+        self.publish()  # final figures
         self.mon.tick()
         metrics = dict(self.mon.latest())
         self.mon.close()

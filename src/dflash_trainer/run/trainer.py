@@ -453,8 +453,21 @@ class Trainer:
                 reason = "time_budget"
             return reason
 
+    def _balance_context(self) -> dict:
+        """What the balance verdict knows beyond this process's workers: a split job's target
+        ranks (their figures through the store) and the devices to advise a T:D split over (a
+        split's ranks; a CUDA run's visible GPUs; none on CPU)."""
+        split = getattr(self.dist, "split", None)
+        if split is not None:
+            remote = self.dist.target_figures()
+            return dict(
+                remote=remote, split=(split.targets, split.drafters), devices=split.world_size
+            )
+        cuda = self.parts.drafter_device.type == "cuda"
+        return dict(devices=torch.cuda.device_count() if cuda else 0)
+
     def _report_balance(self) -> str:
-        bal = assess_balance([t.counters for t in self.threads])
+        bal = assess_balance([t.counters for t in self.threads], **self._balance_context())
         balance = bal.advice() if bal is not None else ""
         if self.cores is not None:
             balance = f"{balance} {self.cores.summary()}.".strip()
