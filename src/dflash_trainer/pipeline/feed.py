@@ -67,7 +67,7 @@ from dflash_trainer.pipeline.messages import End, EpochEnd, HiddenBatch, WorkIte
 from dflash_trainer.pipeline.prefetcher import BatchPrefetcher
 from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
 from dflash_trainer.pipeline.split import Split
-from dflash_trainer.pipeline.stage import Stage
+from dflash_trainer.pipeline.stage import Stage, oom_context
 
 log = logging.getLogger(__name__)
 
@@ -471,7 +471,9 @@ class FeatureReceiver(Stage):
             assert isinstance(item, WorkItem), type(item)
             t0 = time.perf_counter_ns()
             c.begin_busy(t0)
-            with self.guard("target", item.batch.input_ids.shape, c.steps):
+            # the receive buffers live on the drafter's device (no fault hook: `target` faults
+            # fire on target ranks)
+            with oom_context("drafter", item.batch.input_ids.shape):
                 hb = self.source(item, self.stop)
             t1 = time.perf_counter_ns()
             c.end_busy(t1)
