@@ -45,6 +45,37 @@ def _rank_main(spec: dict) -> None:
         from dflash_trainer.observe.balance import assess
 
         T.assess_balance = functools.partial(assess, min_busy_s=0.0)
+    hits: list = []
+    if spec.get("count_host_reads"):  # test_zero_sync's check, in every stage thread
+        import contextlib
+        import threading
+
+        from dflash_trainer.pipeline.stage import Stage
+        from test_zero_sync import CountHostReads
+
+        lock = threading.Lock()
+
+        @contextlib.contextmanager
+        def count(worker):
+            local: list = []
+            with CountHostReads(worker, local):
+                yield
+            with lock:
+                hits.extend(local)
+
+        Stage.thread_context = staticmethod(count)
+        # the stop vote reads one CPU int of the gloo group by design (host only): not counted
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from dflash_trainer.pipeline.split import DrafterContext
+
+        vote = DrafterContext.agree_stop
+
+        def agree_stop(self, local_stop):
+            with _disable_current_modes():
+                return vote(self, local_stop)
+
+        DrafterContext.agree_stop = agree_stop
     cfg = tiny_config(Path(spec["base"]), **spec["over"])
     res = train_distributed(cfg, target=tiny_target(), train_set=tiny_dataset(N))
     rank = int(os.environ["RANK"])
@@ -54,6 +85,7 @@ def _rank_main(spec: dict) -> None:
         "tokens": res.tokens,
         "losses": {str(s): m["loss"] for s, m in res.history},
         "balance": res.balance,
+        "host_reads": [list(h) for h in hits],
         "metrics": {k: v for k, v in res.metrics.items() if k.startswith(("dist/", "worker/"))},
     }
     (Path(spec["base"]) / f"result.{rank}.json").write_text(json.dumps(out))
@@ -167,10 +199,13 @@ def test_balance_advises_the_split_in_t_to_d_terms():
 # ---------------------------------------------------------------------- 2 targets : 1 drafter
 def test_two_targets_one_drafter_match_one_process(tmp_path):
     """Rank 0 trains every batch (grad_accum 2), ranks 1 and 2 take turns with the target
-    forwards: the losses of one process with grad_accum 2, step for step."""
+    forwards: the losses of one process with grad_accum 2, step for step; and no stage thread of
+    any rank reads a tensor's value on the host (tests/test_zero_sync.py's count)."""
     base = tmp_path / "split21"
-    torchrun(base, dict(BASE, **{"pipeline.split": "2:1"}))
+    torchrun(base, dict(BASE, **{"pipeline.split": "2:1"}), count_host_reads=True)
     d0, t1, t2 = _results(base)
+    for r in (d0, t1, t2):  # no stage thread read a tensor's value on the host after step 0
+        assert [h for h in r["host_reads"] if h[1] >= 1] == [], r["host_reads"]
     ref = _reference(tmp_path, 2)
     assert d0["steps"] == ref.steps == 12
     _assert_losses_equal(_losses(d0["losses"]), ref)
