@@ -163,6 +163,7 @@ PINNED_KEYS = {
     ],
     "objective": [
         "num_anchors",
+        "anchors",
         "gamma",
         "loss_chunk_blocks",
         "weighting",

@@ -404,10 +404,20 @@ def _check_config(path: Path, saved: dict, config: dict) -> None:
 
 
 def _load_into(
-    path: Path, meta: dict, *, drafter, optimizer, scheduler, generator, config: dict, then=None
+    path: Path,
+    meta: dict,
+    *,
+    drafter,
+    optimizer,
+    scheduler,
+    generator,
+    config: dict,
+    then=None,
+    stateful: dict | None = None,
 ) -> None:
     """Weights, optimizer, scheduler, generator and torch RNG from `path` (optimizer.pt is read
-    once; `then(generator, blob)` sees it)."""
+    once; `then(generator, blob)` sees it). `stateful`: more objects with load_state_dict, by
+    their key in optimizer.pt (a checkpoint without one leaves it as built, and says so)."""
     _check_config(path, meta.get("config", {}), config)
     try:
         weights = load_file(str(path / "drafter.safetensors"))
@@ -427,6 +437,11 @@ def _load_into(
     scheduler.load_state_dict(blob["scheduler"])
     generator.set_state(blob["generator"])
     torch.set_rng_state(blob["torch_rng"])
+    for key, obj in (stateful or {}).items():
+        if key in blob:
+            obj.load_state_dict(blob[key])
+        else:
+            log.warning("checkpoint %s holds no %s; it starts afresh", path, key)
     if then is not None:
         then(generator, blob)
 
@@ -559,9 +574,17 @@ def lr_segments(plan: ResumePlan | None, total_steps: int) -> list[list[int]]:
 
 
 def restore(
-    plan: ResumePlan, *, drafter, optimizer, scheduler, generator, config: dict
+    plan: ResumePlan,
+    *,
+    drafter,
+    optimizer,
+    scheduler,
+    generator,
+    config: dict,
+    stateful: dict | None = None,
 ) -> TrainState:
-    """Load the checkpoint of `plan` into the built objects; this rank's TrainState."""
+    """Load the checkpoint of `plan` into the built objects (`stateful`: _load_into); this
+    rank's TrainState."""
     _load_into(
         plan.path,
         plan.meta,
@@ -571,6 +594,7 @@ def restore(
         generator=generator,
         config=config,
         then=plan.apply_rng,
+        stateful=stateful,
     )
     st = plan.state
     log.info(

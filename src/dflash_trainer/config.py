@@ -352,6 +352,14 @@ class ObjectiveConfig:
     distillation and the variants' own loss terms (train/objective.py)."""
 
     num_anchors: int = _f(512, "anchors (blocks) sampled per sequence per step", min=1)
+    anchors: str = _f(
+        "random",
+        "where blocks start: random = uniformly in the answer (the published recipe); "
+        "mixed:P = a share P of each row's anchors where the drafter's own blocks would start "
+        "at inference (right after a block it got wrong, remembered per sample from the last "
+        "step that trained on it; train/anchor_policy.py), the rest uniformly; on_policy = "
+        "mixed:1",
+    )
     gamma: float = _f(
         0.0, "loss decay: weight exp(-(k-1)/gamma); 0 = paper value for block_size", min=0.0
     )
@@ -1040,8 +1048,27 @@ def _validate_split(p: PipelineConfig) -> None:
         )
 
 
+def anchor_share(spec: str) -> float:
+    """objective.anchors as the share of anchors drawn from the drafter's next starts: random =
+    0, on_policy = 1, mixed:P = P; a ConfigError naming the forms otherwise."""
+    if spec in ("random", "on_policy"):
+        return 0.0 if spec == "random" else 1.0
+    kind, colon, share = spec.partition(":")
+    try:
+        p = float(share) if kind == "mixed" and colon else -1.0
+    except ValueError:
+        p = -1.0
+    if not 0.0 < p <= 1.0:
+        raise ConfigError(
+            f"objective.anchors: '{spec}' is not random, on_policy or mixed:P with 0 < P <= 1 "
+            "(e.g. mixed:0.5: half of each row's anchors where the drafter's blocks would start)."
+        )
+    return p
+
+
 def validate(cfg: Config) -> Config:
     """Cross-field checks that a single field's range cannot express."""
+    anchor_share(cfg.objective.anchors)
     _validate_split(cfg.pipeline)
     engine_args(cfg.generate.vllm_args)
     shard_of(cfg.generate.shard)

@@ -108,6 +108,9 @@ class Objective(Protocol):
         generator: torch.Generator | None = None,
         target_hidden: torch.Tensor | None = None,
         num_anchors: int | None = None,
+        preferred: torch.Tensor | None = None,
+        preferred_count: int = 0,
+        want_next_starts: bool = False,
     ) -> StepOutput: ...
 
 

@@ -15,6 +15,7 @@ from dflash_trainer.observe.scalars import ScalarRing
 from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.pipeline.messages import Batch, HiddenBatch, WorkItem
 from dflash_trainer.pipeline.protocols import Objective, Target
+from dflash_trainer.train.anchor_policy import AnchorPolicy
 from dflash_trainer.train.optim import GuardedStep
 
 
@@ -162,6 +163,7 @@ class DrafterStep:
         grad_accum: int,
         autocast_bf16: bool,
         ring: ScalarRing | None,
+        policy: AnchorPolicy | None = None,
     ):
         self.drafter = drafter  # or its DDP wrapper
         self.objective = objective
@@ -174,6 +176,7 @@ class DrafterStep:
         self.grad_accum = grad_accum
         self.autocast_bf16 = autocast_bf16
         self.ring = ring  # ScalarRing over metric_names() (observe/scalars.py)
+        self.policy = policy  # on-policy anchors (train/anchor_policy.py), or None: uniform
         self.stream = torch.cuda.current_stream(self.device) if _is_cuda(self.device) else None
         self.timer = StepTimer(self.device)
         self.micro = 0
@@ -225,6 +228,8 @@ class DrafterStep:
         # others accumulate locally (forward and backward must both run inside no_sync).
         no_sync = getattr(self.drafter, "no_sync", None)  # DDP's, absent on a bare module
         sync_ctx = no_sync() if (no_sync is not None and not stepped) else contextlib.nullcontext()
+        policy = self.policy
+        preferred = policy.preferred(hb.sample_ids) if policy is not None else None
         with sync_ctx:
             with ac:
                 out = self.objective(
@@ -237,9 +242,14 @@ class DrafterStep:
                     self.generator,
                     hb.target_hidden,
                     num_anchors=anchors,
+                    preferred=preferred,
+                    preferred_count=policy.preferred_count(anchors) if policy is not None else 0,
+                    want_next_starts=policy is not None,
                 )
             meter.lap("drafter_fwd")
             (out.loss / self.grad_accum).backward()
+        if policy is not None and out.next_starts is not None:
+            policy.record(hb.sample_ids, out.next_starts, self.generator)
         meter.lap("drafter_bwd")
         self.micro += 1
         if stepped:

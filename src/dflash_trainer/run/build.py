@@ -14,7 +14,7 @@ import torch
 
 from dflash_trainer import checkpoint as ckpt
 from dflash_trainer.checkpoint import ResumePlan, TrainState
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, anchor_share
 from dflash_trainer.config_io import to_dict
 from dflash_trainer.data.batching import plan_epoch, plan_skipping
 from dflash_trainer.data.chat import TokenizedDataset
@@ -31,6 +31,7 @@ from dflash_trainer.pipeline.protocols import Target
 from dflash_trainer.precision import use_autocast
 from dflash_trainer.run import rundir
 from dflash_trainer.run.memory_plan import MemoryPlan, plan_memory
+from dflash_trainer.train.anchor_policy import AnchorPolicy
 from dflash_trainer.train.budget import TimeBudget
 from dflash_trainer.train.objective import DFlashObjective
 from dflash_trainer.train.optim import GuardedStep, build_optimizer, build_scheduler
@@ -69,6 +70,7 @@ class RunParts:
     lr_segments: list
     budget: TimeBudget | None = None  # optim.time_budget_s: training stops when it is spent
     memory: MemoryPlan | None = None  # what the drafter's device holds (pipeline.memory_plan)
+    anchor_policy: AnchorPolicy | None = None  # objective.anchors other than random
 
 
 def thread_split(cfg: Config) -> tuple[int, int]:
@@ -347,6 +349,22 @@ def time_budget(cfg: Config, plan: ResumePlan | None) -> TimeBudget | None:
     return TimeBudget(cfg.optim.time_budget_s, used_s=used)
 
 
+def anchor_policy_for(
+    cfg: Config, num_samples: int, device: torch.device, world_size: int
+) -> AnchorPolicy | None:
+    """objective.anchors' memory of next starts (train/anchor_policy.py); None for random."""
+    share = anchor_share(cfg.objective.anchors)
+    if share == 0.0:
+        return None
+    if world_size > 1 or cfg.pipeline.split:
+        raise UserError(
+            f"objective.anchors={cfg.objective.anchors} runs in one process for now: each "
+            "torchrun rank would keep its own memory of next starts, which the checkpoint does "
+            "not gather. Use objective.anchors=random with --nproc / pipeline.split."
+        )
+    return AnchorPolicy(share, cfg.objective.num_anchors, num_samples, device)
+
+
 def build_run(
     cfg: Config,
     *,
@@ -386,16 +404,12 @@ def build_run(
     generator = torch.Generator(device=device)
     generator.manual_seed(cfg.seed * 1000003 + rank)
     config_dict = to_dict(cfg)
+    policy = anchor_policy_for(cfg, len(train_set), device, world_size)
     state = TrainState(consumed=[])
     if plan is not None:
-        state = ckpt.restore(
-            plan,
-            drafter=drafter,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            generator=generator,
-            config=config_dict,
-        )
+        held = dict(drafter=drafter, optimizer=optimizer, scheduler=scheduler, generator=generator)
+        stateful = {"anchor_policy": policy} if policy is not None else None
+        state = ckpt.restore(plan, **held, config=config_dict, stateful=stateful)
     embed_weight, lm_head = drafter_heads(target, drafter, device, autocast)
     return RunParts(
         cfg=cfg,
@@ -424,4 +438,5 @@ def build_run(
         lr_segments=lr_segments,
         budget=budget,
         memory=memory,
+        anchor_policy=policy,
     )

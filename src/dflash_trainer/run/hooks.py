@@ -195,6 +195,8 @@ class RunHooks:
             extra_meta, extra_blob, gathered = self._gather_ranks()
         if self.rank != 0:
             return None
+        if parts.anchor_policy is not None:  # one process (run/build.py anchor_policy_for)
+            extra_blob = {**(extra_blob or {}), "anchor_policy": parts.anchor_policy.state_dict()}
         extra_meta.update(self._resume_meta())
         ledger = self._take_ledger()
         if gathered is not None:  # torchrun: every rank's entries, gathered to rank 0

@@ -262,6 +262,7 @@ class Trainer:
             grad_accum=self.cfg.optim.grad_accum,
             autocast_bf16=p.autocast,
             ring=ring if self.observe else None,
+            policy=p.anchor_policy,
         )
         return RecordingRing(ring), step
 

@@ -59,6 +59,11 @@ class StepOutput:
     loss: torch.Tensor  # 0-d, differentiable
     metrics: torch.Tensor  # 1-D, detached, on the device
     metric_names: list[str]
+    # [B, N, K+1] bool: slot k's argmax equals its label (slot 0, given, False); detached
+    correct: torch.Tensor | None = None
+    # [B, N] long: where each block's successor would start at inference (p + accepted + 1)
+    # where a scored slot was rejected, else -1 (train/anchor_policy.py); when asked for
+    next_starts: torch.Tensor | None = None
 
 
 class DFlashObjective:
@@ -160,12 +165,16 @@ class DFlashObjective:
         loss_mask: torch.Tensor,
         generator: torch.Generator | None = None,
         num_anchors: int | None = None,
+        preferred: torch.Tensor | None = None,
+        preferred_count: int = 0,
     ):
         """loss_mask [B,S] -> anchors [B,N] long (sorted, valid first), block_valid [B,N] bool,
         N = `num_anchors` (default the objective's).
 
-        Padding anchors are 0 (they are masked out everywhere). generator must live on
-        loss_mask's device.
+        `preferred` [B, M] (positions, -1 = none; train/anchor_policy.py): up to
+        `preferred_count` of a row's valid preferred positions, drawn uniformly among them, are
+        anchors; the rest of the row's N are drawn uniformly as usual. Padding anchors are 0
+        (they are masked out everywhere). generator must live on loss_mask's device.
         """
         B, S = loss_mask.shape
         N = num_anchors or self.num_anchors
@@ -174,8 +183,10 @@ class DFlashObjective:
         ok = lm[:, :-1] & lm[:, 1:]  # p in 0..S-2
         P = ok.shape[1]
         keys = torch.rand(B, P, device=dev, generator=generator)
-        keys = torch.where(ok, keys, torch.full_like(keys, math.inf))
         k = min(N, P)  # shapes only
+        if preferred is not None and preferred_count > 0:
+            keys = _prefer(keys, ok, preferred, min(preferred_count, k), generator)
+        keys = torch.where(ok, keys, torch.full_like(keys, math.inf))
         picked_keys, picked = torch.topk(keys, k, dim=1, largest=False, sorted=False)
         valid = torch.isfinite(picked_keys)
         # Sort by position with padding last: invalid entries get position + P.
@@ -240,13 +251,19 @@ class DFlashObjective:
         generator: torch.Generator | None = None,
         target_hidden: torch.Tensor | None = None,
         num_anchors: int | None = None,
+        preferred: torch.Tensor | None = None,
+        preferred_count: int = 0,
+        want_next_starts: bool = False,
     ) -> StepOutput:
         """`target_hidden` [B,S,H]: the target's final normed hidden states, needed (and only
         read) when `needs_target_hidden` (kd_weight or hidden_weight > 0). `num_anchors`: blocks
-        per row for this batch (step_anchors; default objective.num_anchors)."""
+        per row for this batch (step_anchors; default objective.num_anchors). `preferred`,
+        `preferred_count`: sample_anchors. `want_next_starts`: fill the output's next_starts."""
         B, S = input_ids.shape
         bs, N = self.block_size, num_anchors or self.num_anchors
-        anchors, block_valid = self.sample_anchors(loss_mask, generator, N)
+        anchors, block_valid = self.sample_anchors(
+            loss_mask, generator, N, preferred, preferred_count
+        )
         if self.feature_noise > 0:
             taps = unwrap(drafter).config.num_features
             features = add_feature_noise(features, self.feature_noise, taps, generator)
@@ -269,6 +286,8 @@ class DFlashObjective:
             if self.label_source == "target":
                 labels = self.target_labels(labels, teacher, lm_head)
         out = self.loss_from_hidden(hidden, lm_head, labels, label_valid, block_valid, teacher)
+        if want_next_starts and out.correct is not None:
+            out.next_starts = next_starts(anchors, block_valid, out.correct, label_valid)
         if self.extra_terms is None:
             return out
         weights = self.slot_weights(hidden.device)[: self.loss_slots + 1]
@@ -280,6 +299,8 @@ class DFlashObjective:
             loss=out.loss + loss,
             metrics=torch.cat([out.metrics, metrics]),
             metric_names=list(self.metric_names),
+            correct=out.correct,
+            next_starts=out.next_starts,
         )
 
     def teacher_hidden(self, target_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -358,7 +379,9 @@ class DFlashObjective:
             hid = hidden_regression(h_all, teacher, w)
             loss = loss + self.hidden_weight * hid
             metrics = torch.cat([metrics, hid.detach().float().view(1)])
-        return StepOutput(loss=loss, metrics=metrics, metric_names=list(self.metric_names))
+        return StepOutput(
+            loss=loss, metrics=metrics, metric_names=list(self.metric_names), correct=correct
+        )
 
     def _metrics(self, loss, correct, label_valid, block_valid) -> torch.Tensor:
         lv = label_valid.float()
@@ -392,6 +415,47 @@ class DFlashObjective:
 #   needs a few thousand rows to stay compute-bound (H200: ~200 FLOP per byte); 2 GiB of fp32
 #   logits is ~3,500 rows at a 152k vocabulary.
 _LOSS_CHUNK_ELEMS = {"cpu": 1 << 25, "cuda": 1 << 29}
+
+
+def _prefer(
+    keys: torch.Tensor,
+    ok: torch.Tensor,
+    preferred: torch.Tensor,
+    count: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """`keys` [B,P] (uniform in [0, 1), smallest drawn first) with up to `count` of each row's
+    valid `preferred` positions ([B,M], -1 = none), drawn uniformly among them, moved below 0."""
+    B, P = keys.shape
+    pos = preferred.long()
+    usable = (pos >= 0) & (pos < P)
+    pos_c = pos.clamp(0, P - 1)
+    usable &= ok.gather(1, pos_c)
+    marked = torch.zeros(B, P, dtype=torch.int32, device=keys.device)
+    marked = marked.scatter_add(1, pos_c, usable.int()) > 0  # duplicates counted once
+    draw = torch.rand(B, P, device=keys.device, generator=generator)
+    draw = torch.where(marked, draw, torch.full_like(draw, math.inf))
+    drawn, at = torch.topk(draw, count, dim=1, largest=False, sorted=False)
+    chosen = torch.zeros_like(marked).scatter(1, at, torch.isfinite(drawn))
+    return torch.where(chosen, keys - 1.0, keys)
+
+
+def next_starts(
+    anchors: torch.Tensor, block_valid: torch.Tensor, correct: torch.Tensor, label_valid
+) -> torch.Tensor:
+    """[B,N]: where the block after each one would start at inference, p + a + 1 (a = drafted
+    slots accepted: the leading scored slots whose argmax is the label), for the blocks whose
+    first non-accepted scored slot was a rejection (a valid label the drafter got wrong); -1 for
+    the rest (all scored slots right, the answer ending inside the block, padding).
+    `correct` [B,N,K+1] and `label_valid` [B,N,>=K+1] as the objective holds them."""
+    K = correct.shape[2] - 1
+    lv = label_valid[:, :, 1 : K + 1]
+    right = correct[:, :, 1:] & lv
+    accepted = right.long().cumprod(dim=2).sum(dim=2)  # [B,N] in 0..K
+    wrong = lv & ~correct[:, :, 1:]
+    at = accepted.clamp(max=K - 1).unsqueeze(2)
+    rejected = block_valid & (accepted < K) & wrong.gather(2, at).squeeze(2)
+    return torch.where(rejected, anchors + accepted + 1, torch.full_like(anchors, -1))
 
 
 def unwrap(drafter):
