@@ -427,6 +427,39 @@ def test_dpace_loss_and_grads_match_dense_reference(chunk):
     assert not torch.allclose(other.loss, out.loss)
 
 
+@pytest.mark.parametrize("chunk", [1, 0])
+def test_accept_weighting_is_the_gradient_of_the_expected_accepted_length(chunk):
+    """weighting=accept against a dense reference written from the definition: minus the
+    expected accepted length of each block, sum_j prod_{i <= j} p(label_i), with autograd. The
+    objective's gradient equals it divided by the (detached) weight sum it normalises with."""
+    from dflash_trainer.train.objective import dpace_weights
+
+    drafter, embed, lm_head = _setup()
+    ids, lm, feats = _data()
+    obj = DFlashObjective(
+        BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=chunk, weighting="accept"
+    )
+    out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5))
+    anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(5))
+    blocks = obj.build_blocks(ids, anchors, valid)
+    hidden = drafter(F.embedding(blocks.flatten(1), embed), feats, anchors, valid)
+    labels, label_valid = obj.build_labels(ids, lm, anchors, valid)
+    B, N, bs = labels.shape
+    logp = torch.log_softmax(lm_head(hidden.view(B, N, bs, -1)[:, :, 1:]), -1)
+    q = logp.gather(-1, labels[:, :, 1:, None]).squeeze(-1).exp()
+    v = label_valid[:, :, 1:]
+    q = torch.where(v, q, torch.ones_like(q))  # a slot without a label passes the product on
+    expected = (torch.cumprod(q, -1) * v).sum()  # sum over blocks of E[accepted drafts]
+    ce = -logp.gather(-1, labels[:, :, 1:, None]).squeeze(-1)
+    w_sum = dpace_weights(ce.detach(), v, 0.0).sum()
+    params = list(drafter.parameters())
+    got = torch.autograd.grad(out.loss, params)
+    want = torch.autograd.grad(-expected / w_sum, params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert expected.item() > 0
+
+
 def test_feature_noise_is_relative_to_each_tap_and_training_only():
     from dflash_trainer.train.objective import add_feature_noise
 

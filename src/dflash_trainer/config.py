@@ -374,8 +374,11 @@ class ObjectiveConfig:
     weighting: str = _f(
         "decay",
         "per-slot loss weights: decay = exp(-(k-1)/gamma) (the paper); dpace = D-PACE, from "
-        "the drafter's own detached confidence in each label (arXiv 2605.18810)",
-        choices=("decay", "dpace"),
+        "the drafter's own detached confidence in each label (arXiv 2605.18810); accept = "
+        "acceptance-direct: the gradient of minus the block's expected accepted length "
+        "(sum over j of the product of the drafter's probabilities of labels 1..j), which is "
+        "D-PACE without its floor",
+        choices=("decay", "dpace", "accept"),
     )
     dpace_alpha: float = _f(
         0.5, "D-PACE confidence floor: q~ = (1 - alpha) q + alpha", min=0.01, max=1.0

@@ -338,6 +338,10 @@ class DFlashObjective:
         weigh: _DPaceWeights | _FixedWeights
         if self.weighting == "dpace":
             weigh = _DPaceWeights(self.dpace_alpha)
+        elif self.weighting == "accept":
+            # d(-E[accepted]) / d CE_i = sum_{j >= i} prod_{i' <= j} q_i': D-PACE at alpha 0, so
+            # the weighted CE's gradient is the acceptance objective's (scaled by 1 / sum w)
+            weigh = _DPaceWeights(0.0)
         else:
             weigh = _FixedWeights(self.slot_weights(hidden.device)[1 : K + 1] * valid)
         need_grad = torch.is_grad_enabled() and hidden.requires_grad
