@@ -172,6 +172,7 @@ PINNED_KEYS = {
         "kd_weight",
         "label_source",
         "kd_temperature",
+        "reject_weight",
         "loss_slots",
         "hidden_weight",
         "selector_weight",

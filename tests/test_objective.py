@@ -124,7 +124,8 @@ def _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, g_seed, t_hid
     """Naive loop over valid blocks and slots: CE (+ KD against the target's logits at a+k-1,
     plain F.kl_div at temperature T) on slots 1..K = obj.loss_slots, exp-decay weights,
     normalised by the weight sum; plus obj.hidden_weight * the weighted mean over every slot of
-    |h - t|^2 / |t|^2, t the target's hidden state at a+k-1."""
+    |h - t|^2 / |t|^2, t the target's hidden state at a+k-1; plus obj.reject_weight *
+    -log(1 - p(top-1)) on the slots whose top-1 is not the label."""
     lam, T, K = obj.kd_weight, obj.kd_temperature, obj.loss_slots
     anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(g_seed))
     blocks = obj.build_blocks(ids, anchors, valid)
@@ -158,6 +159,9 @@ def _dense_reference(obj, drafter, embed, lm_head, feats, ids, lm, g_seed, t_hid
                         reduction="sum",
                     )
                     term = (1 - lam) * term + lam * T * T * kl
+                p = torch.softmax(z[0], -1)
+                if obj.reject_weight > 0 and int(p.argmax()) != int(ids[b, a + k]):
+                    term = term - obj.reject_weight * torch.log(1 - p.max())
                 num = num + w * term
                 den += w
     return num / den + (obj.hidden_weight * hnum / hden if hden else 0.0)
@@ -185,6 +189,23 @@ def test_loss_matches_naive_reference():
     assert out.metrics.shape == (len(names),)
     assert out.metrics[names.index("loss")] == out.loss.detach()
     assert out.metrics[names.index("num_blocks")] == 8 + 6 + 0
+
+
+@pytest.mark.parametrize("chunk,wrap", [(3, False), (0, False), (1, True)])
+def test_rejected_proposal_term_matches_dense_reference(chunk, wrap):
+    """objective.reject_weight: -log(1 - p(top-1)) where the top-1 is not the label, beside the
+    CE, against the naive loop (the hand-written gradient of the Linear-head path and autograd's
+    through a wrapped head); its weighted mean is logged, and with the weight at 0 the loss is
+    the plain one."""
+    obj = DFlashObjective(BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=chunk,
+                          reject_weight=0.7)  # fmt: skip
+    out = _matches_dense(obj, wrap_head=wrap)
+    reject = out.metrics[out.metric_names.index("reject")]
+    assert reject > 0  # random drafter: most top-1 proposals are wrong
+    plain = _matches_dense(DFlashObjective(BS, 8, mask_token_id=MASK, chunk_blocks=chunk))
+    assert out.loss > plain.loss
+    with pytest.raises(ValueError, match="kd_weight"):
+        DFlashObjective(BS, 8, kd_weight=0.5, reject_weight=0.1)
 
 
 def test_chunked_equals_unchunked_values_and_grads():

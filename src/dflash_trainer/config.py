@@ -411,6 +411,13 @@ class ObjectiveConfig:
     kd_temperature: float = _f(
         1.0, "softmax temperature T of both distributions in the KD term", min=0.01
     )
+    reject_weight: float = _f(
+        0.0,
+        "weight of the rejected-proposal term beside each slot's CE: -log(1 - p(top-1)) where "
+        "the drafter's top-1 is not the label (what verification would reject), pushing it "
+        "down; 0 = off; not with objective.kd_weight",
+        min=0.0,
+    )
     loss_slots: int = _f(
         0,
         "block slots 1..K that go through the LM head (CE/KD, acc_k metrics); 0 = all "
@@ -1072,6 +1079,11 @@ def anchor_share(spec: str) -> float:
 def validate(cfg: Config) -> Config:
     """Cross-field checks that a single field's range cannot express."""
     anchor_share(cfg.objective.anchors)
+    if cfg.objective.reject_weight > 0 and cfg.objective.kd_weight > 0:
+        raise ConfigError(
+            "objective.reject_weight and objective.kd_weight are not combined (the distilled "
+            "loss has no rejected-proposal term): set one of them to 0."
+        )
     _validate_split(cfg.pipeline)
     engine_args(cfg.generate.vllm_args)
     shard_of(cfg.generate.shard)

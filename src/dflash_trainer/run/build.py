@@ -310,6 +310,7 @@ def build_objective(cfg: Config, drafter: DFlashDrafter) -> DFlashObjective:
         loss_slots=d.loss_slots,
         hidden_weight=d.hidden_weight,
         label_source=d.label_source,
+        reject_weight=d.reject_weight,
         extra_terms=drafter.config.spec.objective_terms(d, drafter.config),
     )
 

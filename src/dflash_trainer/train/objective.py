@@ -84,6 +84,7 @@ class DFlashObjective:
         hidden_weight: float = 0.0,
         label_source: str = "text",
         extra_terms=None,
+        reject_weight: float = 0.0,
     ):
         """`extra_terms`: a variant's loss terms beside the block loss (models/variants/base.py
         ObjectiveTerms), or None."""
@@ -99,6 +100,12 @@ class DFlashObjective:
             raise ValueError(f"loss_slots must be >= 0 (0 = every slot), got {loss_slots}")
         if hidden_weight < 0:
             raise ValueError(f"hidden_weight must be >= 0, got {hidden_weight}")
+        if reject_weight < 0 or (reject_weight > 0 and kd_weight > 0):
+            raise ValueError(
+                f"reject_weight must be >= 0 and cannot be combined with kd_weight, got "
+                f"{reject_weight} with kd_weight {kd_weight}"
+            )
+        self.reject_weight = float(reject_weight)
         if label_source not in ("text", "target"):
             raise ValueError(f"label_source must be 'text' or 'target', got {label_source!r}")
         self.label_source = label_source
@@ -121,6 +128,7 @@ class DFlashObjective:
             + [f"acc_{k}" for k in range(1, self.loss_slots + 1)]
             + ["accept_len", "num_blocks", "num_label_tokens"]
             + (["ce", "kd"] if self.kd_weight > 0 else [])
+            + (["reject"] if self.reject_weight > 0 else [])
             + (["hidden"] if self.hidden_weight > 0 else [])
             + (list(extra_terms.metric_names) if extra_terms is not None else [])
         )
@@ -362,6 +370,7 @@ class DFlashObjective:
                 weigh.at(c0, c1),
                 t_c,
                 kd,
+                self.reject_weight,
             )
             num_c, den_c, corr_c, part_c = (
                 _ChunkCE.apply(*args) if need_grad else _chunk_ce(*args)[:4]
@@ -376,8 +385,11 @@ class DFlashObjective:
         correct = torch.cat(correct_parts, dim=1)  # [B,N,K]
         correct = F.pad(correct, (1, 0), value=False)  # slot 0: given
         metrics = self._metrics(loss.detach(), correct, label_valid[:, :, : K + 1], block_valid)
-        if kd is not None:  # the weighted means of the two terms, for the logs
-            metrics = torch.cat([metrics, torch.stack(parts).sum(0) / den])
+        sums = torch.stack(parts).sum(0) / den  # weighted means of CE, KD, reject, for the logs
+        if kd is not None:
+            metrics = torch.cat([metrics, sums[:2]])
+        if self.reject_weight > 0:
+            metrics = torch.cat([metrics, sums[2:]])
         if self.hidden_weight > 0:
             w = self.slot_weights(hidden.device)[1:] * label_valid[:, :, 1:].float()
             hid = hidden_regression(h_all, teacher, w)
@@ -483,16 +495,18 @@ def chunk_blocks_for(vocab: int, device_type: str, rows: int, slots: int) -> int
     return max(1, budget // (rows * slots * vocab))
 
 
-def _chunk_ce(h, lm_head, labels, valid, weigh, teacher=None, kd=None, need_grad=False):
+def _chunk_ce(h, lm_head, labels, valid, weigh, teacher=None, kd=None, reject=0.0, need_grad=False):
     """h [B,n,k,H] -> (sum(w*term) 0-d, sum(w) 0-d, top-1 correct [B,n,k] bool, the unmixed
-    sums [sum(w*CE), sum(w*KD)] (zeros without KD), d sum / d h or None). The per-slot term is
-    CE, or (1 - lam) CE + lam T^2 KL(target || drafter) with `kd` = (lam, T) and `teacher`
-    [B,n,k,H] the target's hidden states. `weigh(ce, valid)` gives the chunk's loss weights
-    [B,n,k] (detached; 0 where the label is not valid) from its per-slot CE. The chunk's logits
-    [B,n,k,V] exist only inside this call."""
+    sums [sum(w*CE), sum(w*KD), sum(w*reject)] (zeros where off), d sum / d h or None). The
+    per-slot term is CE, or (1 - lam) CE + lam T^2 KL(target || drafter) with `kd` = (lam, T)
+    and `teacher` [B,n,k,H] the target's hidden states; plus, with `reject` = r > 0, r times
+    the rejected-proposal term where the drafter's top-1 is not the label: -log(1 - p(top-1)),
+    which pushes down what verification would reject. `weigh(ce, valid)` gives the chunk's loss
+    weights [B,n,k] (detached; 0 where the label is not valid) from its per-slot CE. The
+    chunk's logits [B,n,k,V] exist only inside this call."""
     if isinstance(lm_head, nn.Linear) and lm_head.bias is None:
         if teacher is None:
-            return _linear_ce(h, lm_head.weight, labels, valid, weigh, need_grad)
+            return _linear_ce(h, lm_head.weight, labels, valid, weigh, need_grad, reject)
         return _linear_kd(h, lm_head.weight, labels, valid, weigh, teacher, kd, need_grad)
     with torch.enable_grad() if need_grad else torch.no_grad():  # any frozen head module
         hh = h.detach().requires_grad_(need_grad)
@@ -508,15 +522,19 @@ def _chunk_ce(h, lm_head, labels, valid, weigh, teacher=None, kd=None, need_grad
             d_logp = torch.log_softmax(logits / T, dim=-1)
             kl = (T * T) * (t_logp.exp() * (t_logp - d_logp)).sum(-1)
             term = (1.0 - lam) * ce + lam * kl
+        top, arg = torch.softmax(logits, dim=-1).max(dim=-1)
+        correct = arg == labels
+        ul = -torch.log1p(-top.clamp(max=1.0 - 1e-6)) * (~correct).float()
+        term = term + reject * ul
         num = (term * w).sum()
-        correct = logits.argmax(dim=-1) == labels
         grad_h = torch.autograd.grad(num, hh)[0] if need_grad else None
-        parts = torch.stack([(ce.detach() * w).sum(), (kl.detach() * w).sum()])
+        sums = [(x.detach() * w).sum() for x in (ce, kl, ul)]
+        parts = torch.stack(sums)
     return num.detach(), w.sum(), correct, parts, grad_h
 
 
 @torch.no_grad()
-def _linear_ce(h, weight, labels, valid, weigh, need_grad):
+def _linear_ce(h, weight, labels, valid, weigh, need_grad, reject=0.0):
     """Same as the generic path for a bias-free Linear head, with the CE gradient written by hand
     (softmax - onehot, weighted) into one fp32 [rows, V] buffer in place: one buffer at the peak
     instead of four (logits, log_softmax, its grad, the logits grad), and six passes over it
@@ -546,11 +564,20 @@ def _linear_ce(h, weight, labels, valid, weigh, need_grad):
     ce = lse - target  # [rows, 1]
     w = weigh(ce.view_as(valid), valid).reshape(-1, 1)
     num = (ce * w).sum()
-    parts = torch.stack([num, torch.zeros_like(num)])
+    # rejected proposals: p(top-1) = exp(max - max) / se = 1 / se; -log(1 - p) where it is wrong
+    p_top = se.reciprocal().clamp_(max=1.0 - 1e-6)
+    wrong = (~correct).reshape(-1, 1).float()
+    ul = -torch.log1p(-p_top) * wrong
+    rejected = (ul * w).sum()
+    parts = torch.stack([num, torch.zeros_like(num), rejected])
+    num = num + reject * rejected
     grad_h = None
     if need_grad:
-        g = z.mul_(w / se)  # w * softmax, in place
+        # d(-log(1 - p_a)) / d z = p_a / (1 - p_a) (onehot(a) - softmax)
+        c = (reject * w * wrong) * p_top / (1.0 - p_top)
+        g = z.mul_((w - c) / se)  # (w - c) * softmax, in place
         g.scatter_add_(1, lab, -w)  # - w * onehot(label)
+        g.scatter_add_(1, arg, c)  # + c * onehot(top-1)
         cdt = (
             x.dtype
             if not torch.is_autocast_enabled(x.device.type)
@@ -587,7 +614,7 @@ def _linear_kd(h, weight, labels, valid, weigh, teacher, kd, need_grad):
     w = weigh(ce.view_as(valid), valid).reshape(-1, 1)
     term = (1.0 - lam) * ce + lam * kl
     num = (term * w).sum()
-    parts = torch.stack([(ce * w).sum(), (kl * w).sum()])
+    parts = torch.stack([(ce * w).sum(), (kl * w).sum(), torch.zeros_like(num)])
     grad_h = None
     if need_grad:
         p_d = logp.exp_()  # softmax(z), in place: logp is not needed any more
@@ -674,9 +701,9 @@ class _ChunkCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, lm_head, labels, valid, weigh, teacher, kd):
+    def forward(ctx, h, lm_head, labels, valid, weigh, teacher, kd, reject):
         num, den, correct, parts, grad_h = _chunk_ce(
-            h, lm_head, labels, valid, weigh, teacher, kd, need_grad=True
+            h, lm_head, labels, valid, weigh, teacher, kd, reject, need_grad=True
         )
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(den, correct, parts)
@@ -685,4 +712,4 @@ class _ChunkCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_num, g_den, g_correct, g_parts):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * g_num.to(grad_h.dtype), None, None, None, None, None, None
+        return grad_h * g_num.to(grad_h.dtype), None, None, None, None, None, None, None
