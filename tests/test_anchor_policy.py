@@ -163,17 +163,11 @@ def test_on_policy_anchors_still_memorise(spec):
     """test_specdecode's memorisation through the training objective (three continuations,
     300 steps, tau ~7.7 of 8 with random anchors), with the memory of next starts fed back
     step after step: learning is not broken, the inference loop accepts nearly whole blocks."""
-    from test_specdecode import V, ar_generate, full_taps, random_prompt, run_spec
+    from test_specdecode import V, greedy_continuations, run_spec
 
     model = tiny_target("llama", seed=3)
     g = torch.Generator().manual_seed(5)
-    data = []
-    for _ in range(3):
-        ids = random_prompt(g, 6, 12)
-        s = torch.cat([ids, torch.tensor([ar_generate(model, ids, 32).tokens])], 1)
-        mask = torch.zeros_like(s, dtype=torch.bool)
-        mask[:, ids.shape[1] :] = True
-        data.append((ids, s, mask, full_taps(model, s)))
+    data = greedy_continuations(model, g)
     drafter = _real_drafter(model, block_size=BS, seed=2).train()
     obj = DFlashObjective(BS, num_anchors=12, mask_token_id=V - 1)
     policy = AnchorPolicy(anchor_share(spec), 12, len(data), "cpu")

@@ -537,6 +537,19 @@ def _trained_drafter(model, prompts, block_size=8, steps=400):
     return drafter.eval()
 
 
+def greedy_continuations(model, g: torch.Generator, n: int = 3, new: int = 32) -> list:
+    """(prompt ids, prompt + the target's greedy continuation, its loss mask, the tapped
+    features) for `n` random prompts: data a drafter can memorise through the objective."""
+    data = []
+    for _ in range(n):
+        ids = random_prompt(g, 6, 12)
+        s = torch.cat([ids, torch.tensor([ar_generate(model, ids, new).tokens])], 1)
+        mask = torch.zeros_like(s, dtype=torch.bool)
+        mask[:, ids.shape[1] :] = True  # the continuation is supervised
+        data.append((ids, s, mask, full_taps(model, s)))
+    return data
+
+
 @pytest.mark.parametrize("attention", ["split", "dense"])
 def test_training_objective_and_inference_agree(attention):
     """End to end: a drafter trained ONLY through the training objective (random anchors, the
@@ -550,13 +563,7 @@ def test_training_objective_and_inference_agree(attention):
     model = tiny_target("llama", seed=3)
     bs = 8
     g = torch.Generator().manual_seed(5)
-    data = []
-    for _ in range(3):
-        ids = random_prompt(g, 6, 12)
-        s = torch.cat([ids, torch.tensor([ar_generate(model, ids, 32).tokens])], 1)
-        mask = torch.zeros_like(s, dtype=torch.bool)
-        mask[:, ids.shape[1] :] = True  # the continuation is supervised
-        data.append((ids, s, mask, full_taps(model, s)))
+    data = greedy_continuations(model, g)
     drafter = _real_drafter(model, block_size=bs, seed=2).train()
     obj = DFlashObjective(bs, num_anchors=12, mask_token_id=V - 1, attention=attention)
     emb = model.get_input_embeddings().weight.detach()

@@ -26,26 +26,6 @@ import torch
 MAX_SLOTS = 64
 
 
-def parse_anchors(spec: str) -> float:
-    """objective.anchors as the share of anchors drawn from the drafter's next starts: random =
-    0, on_policy = 1, mixed:P = P. ValueError naming the forms otherwise."""
-    if spec == "random":
-        return 0.0
-    if spec == "on_policy":
-        return 1.0
-    kind, colon, share = spec.partition(":")
-    try:
-        p = float(share) if kind == "mixed" and colon else -1.0
-    except ValueError:
-        p = -1.0
-    if not 0.0 < p <= 1.0:
-        raise ValueError(
-            f"objective.anchors: '{spec}' is not random, on_policy or mixed:P with 0 < P <= 1 "
-            "(e.g. mixed:0.5: half of each row's anchors where the drafter's blocks would start)"
-        )
-    return p
-
-
 class AnchorPolicy:
     """The drafter's next starts per training sample, on `device` (module docstring)."""
 
