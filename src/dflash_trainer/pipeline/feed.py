@@ -408,18 +408,7 @@ class FeatureSource:
             if self.stream is not None:
                 event = torch.cuda.Event()
                 event.record(self.stream)
-        return HiddenBatch(
-            seq_no=item.seq_no,
-            epoch=item.epoch,
-            input_ids=ids,
-            loss_mask=mask,
-            features=feats,
-            sample_ids=b.sample_ids,
-            num_real_tokens=b.num_real_tokens,
-            ready_event=event,
-            target_hidden=final,
-            anchor_counts=b.anchor_counts,
-        )
+        return HiddenBatch.of(item, ids, mask, feats, final, event)
 
     def close(self) -> None:
         """No more asks from this rank (after its last one): the target ranks skip the rest."""

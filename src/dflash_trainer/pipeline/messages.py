@@ -79,6 +79,32 @@ class HiddenBatch:
     from_cache: bool = False
     anchor_counts: np.ndarray | None = None  # [B] host: Batch.anchor_counts
 
+    @classmethod
+    def of(
+        cls,
+        item: WorkItem,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        features: torch.Tensor,
+        target_hidden: torch.Tensor | None,
+        ready_event: torch.cuda.Event | None,
+    ) -> HiddenBatch:
+        """The hand-off of `item`'s batch: its tensors as they are on the drafter device, its
+        host-side facts (sample ids, token and anchor counts) as the batch holds them."""
+        b = item.batch
+        return cls(
+            seq_no=item.seq_no,
+            epoch=item.epoch,
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            features=features,
+            sample_ids=b.sample_ids,
+            num_real_tokens=b.num_real_tokens,
+            ready_event=ready_event,
+            target_hidden=target_hidden,
+            anchor_counts=b.anchor_counts,
+        )
+
 
 @dataclass
 class EpochEnd:

@@ -126,18 +126,7 @@ class TargetStep:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             meter.lap("handoff")
-        return HiddenBatch(
-            seq_no=item.seq_no,
-            epoch=item.epoch,
-            input_ids=ids_d,
-            loss_mask=mask_d,
-            features=feats,
-            sample_ids=b.sample_ids,
-            num_real_tokens=b.num_real_tokens,
-            ready_event=event,
-            target_hidden=final,
-            anchor_counts=b.anchor_counts,
-        )
+        return HiddenBatch.of(item, ids_d, mask_d, feats, final, event)
 
 
 class DrafterStep:
