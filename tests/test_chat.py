@@ -305,3 +305,15 @@ def test_smollm2_tokenizer_masks():
     ids = np.array(ex.input_ids)[np.array(ex.loss_mask, dtype=bool)]
     assert tok.decode(ids.tolist()) == "Hi there!\n\nHow are you?<|im_end|>no .<|im_end|>"
     assert ex.input_ids == tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+
+
+def test_tokenized_data_follow_the_one_cache_root(tmp_path, monkeypatch):
+    """target.cache_dir is the root of every cache, tokenized data included (unless
+    data.cache_dir names their own dir); without it, $DFLASH_TRAINER_CACHE."""
+    from dflash_trainer.data.chat import tokenized_dir
+
+    monkeypatch.setenv("DFLASH_TRAINER_CACHE", str(tmp_path / "env"))
+    assert tokenized_dir(DataConfig()) == tmp_path / "env" / "tokenized"
+    assert tokenized_dir(DataConfig(), str(tmp_path / "root")) == tmp_path / "root" / "tokenized"
+    own = DataConfig(cache_dir=str(tmp_path / "tok"))
+    assert tokenized_dir(own, str(tmp_path / "root")) == tmp_path / "tok"

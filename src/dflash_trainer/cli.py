@@ -186,7 +186,7 @@ def _write_traceback(cfg: Config | None, exc: BaseException) -> Path:
     path = (
         RunLayout(run_dir).log()
         if run_dir is not None and run_dir.is_dir()
-        else cache_root() / "last-error.log"
+        else cache_root(cfg.target.cache_dir if cfg is not None else "") / "last-error.log"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:

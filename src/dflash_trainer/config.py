@@ -172,8 +172,8 @@ class DataConfig:
     )
     cache_dir: str = _f(
         "",
-        "tokenized-data cache dir ('' = CACHE_ROOT/tokenized; CACHE_ROOT = "
-        "$DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer)",
+        "tokenized-data cache dir ('' = CACHE_ROOT/tokenized; CACHE_ROOT = target.cache_dir, "
+        "else $DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer)",
     )
     roots: list[str] = _f([], "if set, every data path must lie under one of these dirs")
 
@@ -241,8 +241,9 @@ class TargetConfig:
     trust_remote_code: bool = _f(False, "allow the target repo's own Python code (off by default)")
     cache_dir: str = _f(
         "",
-        "cache for converted models, target-written answers and synthesised prompts ('' = "
-        "$DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer)",
+        "CACHE_ROOT, the root of every cache: converted models, target-written answers, "
+        "synthesised prompts, tokenized data (unless data.cache_dir), the last error's log ('' "
+        "= $DFLASH_TRAINER_CACHE, else ~/.cache/dflash-trainer)",
     )
     enable_thinking: bool = _f(False, "chat template thinking mode, where the template has one")
     packed_linear: bool = _f(

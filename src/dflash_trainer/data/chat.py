@@ -523,10 +523,12 @@ def cache_key(data_cfg: DataConfig, tokenizer, conversations, rendering: Renderi
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _default_cache_dir(data_cfg: DataConfig) -> Path:
+def tokenized_dir(data_cfg: DataConfig, cache_dir: str = "") -> Path:
+    """Where tokenized data sets are cached: data.cache_dir, else CACHE_ROOT/tokenized, the root
+    being the one every cache shares (files.cache_root of target.cache_dir: `cache_dir`)."""
     if data_cfg.cache_dir:
         return Path(data_cfg.cache_dir).expanduser()
-    return cache_root() / "tokenized"
+    return cache_root(cache_dir) / "tokenized"
 
 
 def _tokenize_all(
@@ -608,7 +610,7 @@ def build_dataset(
     terminal)."""
     rendering = rendering or Rendering()
     rendering.check(tokenizer)
-    root = Path(cache_dir).expanduser() if cache_dir else _default_cache_dir(data_cfg)
+    root = Path(cache_dir).expanduser() if cache_dir else tokenized_dir(data_cfg)
     path = root / f"{cache_key(data_cfg, tokenizer, conversations, rendering)}.npz"
     if path.exists():
         try:

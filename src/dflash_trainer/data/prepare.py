@@ -29,7 +29,13 @@ from typing import Any
 import numpy as np
 
 from dflash_trainer.config import Config, EvalConfig
-from dflash_trainer.data.chat import Rendering, build_dataset, prompt_messages, render_text
+from dflash_trainer.data.chat import (
+    Rendering,
+    build_dataset,
+    prompt_messages,
+    render_text,
+    tokenized_dir,
+)
 from dflash_trainer.data.generate import ensure_embedded_responses
 from dflash_trainer.data.sources import load_sources, parse_source_spec
 from dflash_trainer.data.synthesize import ensure_synth_responses
@@ -158,7 +164,12 @@ def prepare_data(cfg: Config, tokenizer, target=None, capture=None):
     )
     log.info("data: %s", report.summary() if hasattr(report, "summary") else report)
     dataset = build_dataset(
-        cfg.data, tokenizer, convs, rendering=rendering, progress=cfg.metrics.console
+        cfg.data,
+        tokenizer,
+        convs,
+        cache_dir=tokenized_dir(cfg.data, cfg.target.cache_dir),
+        rendering=rendering,
+        progress=cfg.metrics.console,
     )
     log.info("tokenized: %s", dataset.stats)
     label = {c.id: source_label(c.id, c.source, written) for c in convs}
