@@ -732,7 +732,12 @@ class EvalConfig:
         "how the target chooses its tokens while evaluating; at temperature > 0 a draft is "
         "accepted where it equals the target's sampled token (the exact-match rule)",
     )
-    datasets: list[str] = _f(["heldout"], "prompt sets: heldout, mt-bench, humaneval, or a file")
+    datasets: list[str] = _f(
+        ["heldout"],
+        "prompt sets: heldout, mt-bench, humaneval, a file, or long / long:N (the held-out "
+        "prompts, each asked after about N tokens, default 4096, of the other held-out "
+        "conversations: acceptance at long contexts, tau per context-length bucket)",
+    )
     heldout_path: str = _f(
         "",
         "JSONL of {id, messages, source} (data.format=text: {id, prompt, source}) for 'heldout' "

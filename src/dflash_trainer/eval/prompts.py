@@ -22,7 +22,7 @@ def load_prompt_file(path: str | Path, data_format: str = "chat") -> list[tuple[
     if not p.is_file():
         raise UserError(
             f"eval prompt file '{p}' does not exist; eval.datasets takes "
-            "'mt-bench', 'humaneval', 'heldout' or a JSONL path."
+            "'mt-bench', 'humaneval', 'heldout', 'long[:N]' or a JSONL path."
         )
     if data_format == "text":
         expected = 'expected {"id": ..., "prompt": "..."} (data.format=text)'
@@ -57,8 +57,43 @@ def heldout_file(cfg: Config) -> Path:
     return Path(cfg.eval.heldout_path or RunLayout.of(cfg.run_dir).heldout)
 
 
+# A long prompt's transcript: about this many characters per token (English text and code under
+# the embedded target's tokenizer: 3.6-4.3); the measured context lengths are what tau is
+# bucketed by (eval/metrics.py tau_by_context), so the estimate only sizes the set.
+_CHARS_PER_TOKEN = 4
+
+
+def long_prompts(convs: list[tuple[str, list[dict]]], tokens: int) -> list[tuple[str, list]]:
+    """Each conversation's first user turn after a transcript of the others (their turns in
+    order, answers included, cycling) of about `tokens` tokens, in a system message: one
+    question asked at a long context, as after a long chat. (id "long-ID", messages)."""
+    out = []
+    for i, (cid, msgs) in enumerate(convs):
+        question = next((m for m in msgs if m["role"] == "user"), None)
+        others = [m for j, (_, ms) in enumerate(convs) if j != i for m in ms]
+        if question is None or not others:
+            continue
+        lines: list[str] = []
+        size, k = 0, 0
+        while size < tokens * _CHARS_PER_TOKEN:
+            m = others[k % len(others)]
+            lines.append(f"{m['role']}: {m['content']}")
+            size += len(lines[-1]) + 1
+            k += 1
+        history = {"role": "system", "content": "Earlier conversation:\n" + "\n".join(lines)}
+        out.append((f"long-{cid}", [history, {"role": "user", "content": question["content"]}]))
+    return out
+
+
 def load_prompt_set(name: str, cfg: Config) -> list[tuple[str, list[dict]]]:
-    """(id, messages) pairs for one entry of eval.datasets."""
+    """(id, messages) pairs for one entry of eval.datasets. `long` / `long:N`: the held-out
+    prompts, each asked after about N (default 4096) tokens of the other held-out conversations
+    (long_prompts): acceptance at long contexts, per context-length bucket."""
+    kind, colon, size = name.partition(":")
+    if kind == "long":
+        if colon and not size.isdigit():
+            raise UserError(f"eval.datasets: '{name}' is not long or long:N (N tokens).")
+        return long_prompts(load_prompt_set("heldout", cfg), int(size) if colon else 4096)
     if name in ("mt-bench", "humaneval"):
         prefix = {"mt-bench": "mtbench-", "humaneval": "humaneval-"}[name]
         convs = [c for c in embedded.embedded_prompts() if c.id.startswith(prefix)]
