@@ -41,7 +41,6 @@ from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering, prompt_messages
 from dflash_trainer.data.generate import decode_batch
 from dflash_trainer.decode import loop
-from dflash_trainer.decode.loop import GREEDY
 from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.precision import cpu_kind
@@ -79,7 +78,7 @@ def _hf_generate(target, rows, max_new, pad_id):
 
 def _greedy(target, rows, n, pad):
     """decode_batch greedily (the target's eos ids stop a row)."""
-    return decode_batch(target, rows, n, GREEDY, [0] * len(rows), pad)
+    return decode_batch(target, rows, n, None, [0] * len(rows), pad)  # None: greedy
 
 
 def _with_cat_cache(fn, model, *args):
