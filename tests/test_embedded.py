@@ -160,4 +160,4 @@ def test_every_cache_follows_the_one_root(monkeypatch, tmp_path):
     from dflash_trainer.data import chat
 
     monkeypatch.setenv("DFLASH_TRAINER_CACHE", str(tmp_path / "root"))
-    assert chat._default_cache_dir(Config().data) == tmp_path / "root" / "tokenized"
+    assert chat.tokenized_dir(Config().data) == tmp_path / "root" / "tokenized"
