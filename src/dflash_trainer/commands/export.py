@@ -21,6 +21,8 @@ from dflash_trainer.models.export import (
     export_dtype,
     load_drafter,
     read_training,
+    recorded_architectures,
+    serving_note,
     training_record,
 )
 
@@ -60,6 +62,9 @@ def export(source, out, dtype: str = "bfloat16") -> tuple[Path, dict | None]:
     _check_out(out, src)
     drafter = load_drafter(src)  # validates names, shapes and finiteness
     export_drafter(drafter, out, export_dtype(dtype), training=rec)  # keep: unchanged
+    note = serving_note(recorded_architectures(rec))
+    if note:
+        log.warning("export %s: %s", out, note)
     return out, rec
 
 

@@ -159,18 +159,57 @@ def _engine_model(t: dict, model, embedded: bool, local: bool) -> str | None:
     return str(Path(model).resolve()) if local else str(model)
 
 
-# The target classes vLLM serves a DFlash drafter beside: its models that hand auxiliary hidden
-# states to a drafter (read in vLLM 0.32.0's model_executor/models, the CPU build the project
-# runs; SGLang 0.5.23's DFLASH targets are a subset). Gemma 3 and its kin are not among them.
+# The target classes vLLM serves a DFlash drafter beside: vLLM feeds the drafter the target's
+# auxiliary hidden states, which only a model class implementing `SupportsEagle3` gives (vLLM
+# 0.32.0, the CPU build the project runs: v1/worker/gpu_model_runner.py
+# `_setup_eagle3_aux_hidden_state_outputs`, which the CPU runner calls too, raises "Model does not
+# support EAGLE3 interface" otherwise). These are the text-generation architectures of its model
+# registry whose class has it (SGLang 0.5.23's DFLASH targets are a subset). Not among them, so
+# not served: Gemma 1/2/3 and 3n, Mixtral, Qwen2-MoE, OLMoE, Phi-MoE, GPT-2, Falcon, Cohere, GLM-4,
+# InternLM2 and others. tests/test_vllm_families.py serves Llama (Llama 3's RoPE included),
+# Mistral, Phi-3, Qwen2, Qwen3, Qwen3-MoE and gpt-oss, and checks that Gemma 3 is refused.
 VLLM_DFLASH_TARGETS = frozenset(
     {
+        "AfmoeForCausalLM",
+        "ApertusForCausalLM",
+        "Cohere2MoeForCausalLM",
+        "DeepseekForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Ernie4_5ForCausalLM",
+        "Gemma4ForCausalLM",
+        "GptOssForCausalLM",
+        "GraniteForCausalLM",
+        "GraniteSWAForCausalLM",
+        "IQuestCoderForCausalLM",
+        "InternLM3ForCausalLM",
+        "K2HorizonForCausalLM",
+        "LLaMAForCausalLM",
+        "LagunaForCausalLM",
+        "Llama4ForCausalLM",
         "LlamaForCausalLM",
+        "MiMoForCausalLM",
+        "MiMoV2FlashForCausalLM",
+        "MiMoV2ForCausalLM",
+        "MiniCPM3ForCausalLM",
+        "MiniCPMForCausalLM",
+        "MiniMaxM2ForCausalLM",
+        "Ministral3ForCausalLM",
         "MistralForCausalLM",
+        "MistralLarge3ForCausalLM",
+        "NemotronHForCausalLM",
+        "NemotronHPuzzleForCausalLM",
         "Phi3ForCausalLM",
+        "Plamo3ForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
-        "GptOssForCausalLM",
+        "Qwen3NextForCausalLM",
+        "SarvamMLAForCausalLM",
+        "Step1ForCausalLM",
+        "TeleChat2ForCausalLM",
+        "TeleChat3ForCausalLM",
+        "TeleFLMForCausalLM",
     }
 )
 
@@ -180,10 +219,38 @@ def serving_note(architectures: list[str] | None) -> str | None:
     if not architectures or any(a in VLLM_DFLASH_TARGETS for a in architectures):
         return None
     return (
-        f"the target ({', '.join(architectures)}) is not one vLLM serves a DFlash drafter for "
-        f"({', '.join(sorted(VLLM_DFLASH_TARGETS))}; docs/guides/families.md): this export is "
-        "evaluated here and by the reference package, but no engine serves it"
+        f"the target ({', '.join(architectures)}) is not a class vLLM serves a DFlash drafter "
+        "beside (it gives no auxiliary hidden states: no SupportsEagle3 in vLLM 0.32; "
+        "docs/guides/families.md): this export is evaluated here and by the reference package, "
+        "but no engine serves it"
     )
+
+
+def recorded_architectures(record: dict | None) -> list[str] | None:
+    """The target's `architectures` from its config.json, where the training record's target
+    can be read here without the network (a local directory, the converted embedded target, a
+    Hub model in the local cache); None where it cannot."""
+    t = (record or {}).get("target") or {}
+    path = None
+    for d in (t.get("local_dir"), t.get("engine_model")):
+        if d and (Path(d) / CONFIG_NAME).is_file():
+            path = Path(d) / CONFIG_NAME
+            break
+    if path is None and t.get("model") and t.get("commit"):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(t["model"], CONFIG_NAME, revision=t["commit"])
+        except Exception:  # not a repo id, no huggingface_hub: nothing to read
+            found = None
+        path = Path(found) if isinstance(found, str) else None
+    if path is None:
+        return None
+    try:
+        archs = json.loads(path.read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(a) for a in archs] if isinstance(archs, list) else None
 
 
 def training_record(config: dict, *, step: int | None = None, source: str | None = None) -> dict:
