@@ -28,6 +28,7 @@ from torch import nn
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import embedded, kv_cache
+from dflash_trainer.models.target_layout import has_windowed_layers
 from dflash_trainer.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class TargetModel:
         # target.attn_implementation as transformers resolved it
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "eager"
         self._backbone = _backbone(model)
+        self._windowed = has_windowed_layers(hf.config)  # takes_4d_mask
         self._cache_kw = kv_cache.cache_kwarg(model)
         self._state = threading.local()
         self._hooks = [
@@ -178,9 +180,15 @@ class TargetModel:
 
     @property
     def takes_4d_mask(self) -> bool:
-        """Whether the attention kernel reads a prepared additive [B, 1, S, S] mask (eager, SDPA).
-        Flash and flex kernels are causal by themselves and break on a tensor mask."""
-        return self.attn_implementation in ("eager", "sdpa")
+        """Whether the target's forward takes a prepared additive [B, 1, S, S] causal mask: its
+        attention kernel reads one (eager, SDPA; flash and flex kernels are causal by themselves
+        and break on a tensor mask) and every layer attends to its whole causal past. A target
+        with sliding-window (or other windowed) layers builds its own mask per layer type:
+        transformers uses a prepared mask as is in every layer, so the taps training reads would
+        see past each window, which neither the decode loop nor any engine does (a tiny gpt-oss
+        past its window of 8: taps off by O(10); a drafter memorised on its answers drafted at
+        tau 1.7 of 7.75, in our loop and in vLLM alike; tests/test_vllm_families.py)."""
+        return self.attn_implementation in ("eager", "sdpa") and not self._windowed
 
     @property
     def final_norm(self) -> nn.Module | None:

@@ -59,6 +59,19 @@ def layer_type(tcfg, i: int) -> str | None:
     return types[i] if types and i < len(types) else None
 
 
+def has_windowed_layers(tcfg) -> bool:
+    """Does any decoder layer attend to less than its whole causal past: a layer type other than
+    full attention (sliding windows in Gemma 2/3, gpt-oss, Qwen2 with windows; Llama 4's chunks;
+    linear attention), or, in a family without layer types, a sliding window on every layer
+    (Mistral, Phi-3, where `sliding_window` is set)? Such a target builds its masks per layer
+    type: one causal mask handed to it would replace every window."""
+    c = text_config(tcfg)
+    types = getattr(c, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return bool(getattr(c, "sliding_window", None)) and getattr(c, "use_sliding_window", True)
+
+
 def rope_params(tcfg, ltype: str | None) -> tuple[dict, str]:
     """(RoPE parameters, where they were read) for layers of type `ltype` (None: the model's
     global ones, the full-attention layers' where the family has several)."""
