@@ -449,17 +449,19 @@ def test_dpace_loss_and_grads_match_dense_reference(chunk):
 
 
 @pytest.mark.parametrize("chunk", [1, 0])
-def test_accept_weighting_is_the_gradient_of_the_expected_accepted_length(chunk):
-    """weighting=accept against a dense reference written from the definition: minus the
-    expected accepted length of each block, sum_j prod_{i <= j} p(label_i), with autograd. The
-    objective's gradient equals it divided by the (detached) weight sum it normalises with."""
+def test_dpace_without_its_floor_is_the_gradient_of_the_expected_accepted_length(chunk):
+    """D-PACE as alpha -> 0 against a dense reference written from the definition of the
+    acceptance-direct objective: minus each block's expected accepted length, sum_j prod_{i <=
+    j} p(label_i), with autograd. The objective's gradient equals it divided by the (detached)
+    weight sum it normalises with."""
     from dflash_trainer.train.objective import dpace_weights
 
     drafter, embed, lm_head = _setup()
     ids, lm, feats = _data()
     obj = DFlashObjective(
-        BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=chunk, weighting="accept"
-    )
+        BS, num_anchors=8, mask_token_id=MASK, chunk_blocks=chunk, weighting="dpace",
+        dpace_alpha=1e-9,
+    )  # fmt: skip
     out = obj(drafter, embed, lm_head, feats, ids, lm, torch.Generator().manual_seed(5))
     anchors, valid = obj.sample_anchors(lm, torch.Generator().manual_seed(5))
     blocks = obj.build_blocks(ids, anchors, valid)

@@ -375,11 +375,10 @@ class ObjectiveConfig:
     weighting: str = _f(
         "decay",
         "per-slot loss weights: decay = exp(-(k-1)/gamma) (the paper); dpace = D-PACE, from "
-        "the drafter's own detached confidence in each label (arXiv 2605.18810); accept = "
-        "acceptance-direct: the gradient of minus the block's expected accepted length "
-        "(sum over j of the product of the drafter's probabilities of labels 1..j), which is "
-        "D-PACE without its floor",
-        choices=("decay", "dpace", "accept"),
+        "the drafter's own detached confidence in each label (arXiv 2605.18810); without its "
+        "floor (dpace_alpha -> 0) its gradient is that of minus the block's expected accepted "
+        "length, which alone did not train (bench/LOG.md)",
+        choices=("decay", "dpace"),
     )
     dpace_alpha: float = _f(
         0.5, "D-PACE confidence floor: q~ = (1 - alpha) q + alpha", min=0.01, max=1.0

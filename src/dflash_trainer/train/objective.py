@@ -346,10 +346,6 @@ class DFlashObjective:
         weigh: _DPaceWeights | _FixedWeights
         if self.weighting == "dpace":
             weigh = _DPaceWeights(self.dpace_alpha)
-        elif self.weighting == "accept":
-            # d(-E[accepted]) / d CE_i = sum_{j >= i} prod_{i' <= j} q_i': D-PACE at alpha 0, so
-            # the weighted CE's gradient is the acceptance objective's (scaled by 1 / sum w)
-            weigh = _DPaceWeights(0.0)
         else:
             weigh = _FixedWeights(self.slot_weights(hidden.device)[1 : K + 1] * valid)
         need_grad = torch.is_grad_enabled() and hidden.requires_grad
@@ -666,7 +662,10 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> 
     + alpha keeps a slot the drafter still gets wrong from silencing every slot after it;
     w_j = sum_{m >= j} prod_{i <= m} q~_i is the chance that slots 1..j are all accepted times
     what acceptance at j is worth (the expected accepted length from j on). Slots without a
-    valid label pass the product through (q~ = 1) and get weight 0.
+    valid label pass the product through (q~ = 1) and get weight 0. At alpha -> 0 the weighted
+    CE's gradient is that of minus the expected accepted length sum_j prod_{i <= j} q_i (the
+    acceptance-direct objective; tests/test_objective.py); the floor keeps blocks the drafter
+    still gets wrong training, where that objective's gradient vanishes.
     """
     v = valid.to(torch.float32)
     q = torch.exp(-ce.to(torch.float32))
