@@ -733,6 +733,8 @@ def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
     assert d["num_responses"] == 3  # two user turns + one
     assert d["block_size"] == 4 and d["lossless"] is True and d["speedup"] > 0
     assert 1.0 <= d["tau"] <= 4.0 and len(d["position_acceptance"]) == 3
+    cycles = sum(v for k, v in out["events"].items() if k.startswith("eval/cycles_ctx/"))
+    assert cycles == sum(out["datasets"][k]["num_cycles"] for k in out["datasets"])  # per bucket
     assert "heldout" in capsys.readouterr().out
     # a drafter for other taps is refused with a fix
     from dflash_trainer.errors import UserError

@@ -81,7 +81,9 @@ def run(cfg: Config, args: Any) -> int:
     print(format_table(results))
     spec = [r for s in results.values() for r in s.spec_results]
     ar = [r for s in results.values() for r in s.ar_results]
-    run_ = EvalRun(groups=results, overall=summarize(spec, ar or None, block_size))
+    overall = summarize(spec, ar or None, block_size)
+    overall.prompts = [p for s in results.values() for p in s.prompts]  # tau per context bucket
+    run_ = EvalRun(groups=results, overall=overall)
     engines = [comparison_engine(n, cfg, target, drafter_dir, dtype_label(dtype)) for n in names]
     run_.compare(engines, cfg.eval.max_new_tokens, block_size)
     problems = _report_compared(run_, cfg, target, drafter_dir)
