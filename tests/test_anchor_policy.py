@@ -105,8 +105,8 @@ def test_the_memory_keeps_a_samples_next_starts_and_round_trips():
     pol = AnchorPolicy(0.5, num_anchors=6, num_samples=4, device="cpu")
     assert pol.preferred_count(6) == 3 and pol.preferred_count(1) == 1
     ns = torch.tensor([[-1, 7, 9, -1, 11, 13], [-1] * 6])
-    pol.record(torch.tensor([2, 0]), ns, torch.Generator().manual_seed(0))
-    kept = pol.preferred(torch.tensor([2, 0, 1]))
+    pol.record(pol.rows(torch.tensor([2, 0])), ns, torch.Generator().manual_seed(0))
+    kept = pol.preferred(pol.rows(torch.tensor([2, 0, 1])))
     assert sorted(p for p in kept[0].tolist() if p >= 0) == [7, 9, 11, 13]
     assert kept[1].tolist() == kept[2].tolist() == [-1] * 6
     again = AnchorPolicy(0.5, num_anchors=6, num_samples=4, device="cpu")
@@ -178,7 +178,7 @@ def test_on_policy_anchors_still_memorise(spec):
     for step in range(300):
         i = step % len(data)
         _, s, mask, feats = data[i]
-        sid = torch.tensor([i])
+        sid = policy.rows(torch.tensor([i]))
         pref = policy.preferred(sid)
         used += int((pref >= 0).sum())
         out = obj(drafter, emb, head, feats, s, mask, g, preferred=pref,

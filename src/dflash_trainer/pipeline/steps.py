@@ -218,7 +218,10 @@ class DrafterStep:
         no_sync = getattr(self.drafter, "no_sync", None)  # DDP's, absent on a bare module
         sync_ctx = no_sync() if (no_sync is not None and not stepped) else contextlib.nullcontext()
         policy = self.policy
-        preferred = policy.preferred(hb.sample_ids) if policy is not None else None
+        rows = preferred = None
+        if policy is not None:  # the memory's rows of this batch, found once for both uses
+            rows = policy.rows(hb.sample_ids)
+            preferred = policy.preferred(rows)
         with sync_ctx:
             with ac:
                 out = self.objective(
@@ -237,8 +240,8 @@ class DrafterStep:
                 )
             meter.lap("drafter_fwd")
             (out.loss / self.grad_accum).backward()
-        if policy is not None and out.next_starts is not None:
-            policy.record(hb.sample_ids, out.next_starts, self.generator)
+        if policy is not None and rows is not None and out.next_starts is not None:
+            policy.record(rows, out.next_starts, self.generator)
         meter.lap("drafter_bwd")
         self.micro += 1
         if stepped:

@@ -40,16 +40,17 @@ class AnchorPolicy:
         """Anchors of a row of `num_anchors` drawn from the next starts (at most `slots`)."""
         return min(self.slots, max(1, round(self.share * num_anchors)))
 
-    def preferred(self, sample_ids: torch.Tensor) -> torch.Tensor:
-        """[B, slots] next starts of the batch's samples (-1: none), on the device."""
-        idx = sample_ids.to(self.device, non_blocking=True).long()
-        return self.positions.index_select(0, idx)
+    def rows(self, sample_ids: torch.Tensor) -> torch.Tensor:
+        """The batch's sample ids as this memory's row index, on its device (once per step)."""
+        return sample_ids.to(self.device, non_blocking=True).long()
 
-    def record(
-        self, sample_ids: torch.Tensor, next_starts: torch.Tensor, generator: torch.Generator
-    ) -> None:
+    def preferred(self, rows: torch.Tensor) -> torch.Tensor:
+        """[B, slots] next starts of the batch's samples (`rows`: self.rows), -1 = none."""
+        return self.positions.index_select(0, rows)
+
+    def record(self, rows: torch.Tensor, next_starts: torch.Tensor, generator: torch.Generator):
         """Keep up to `slots` of each row's `next_starts` [B, N] (-1: none), drawn at random
-        among the row's, as its sample's memory (replacing the last one)."""
+        among the row's, as its sample's memory (replacing the last one). `rows`: self.rows."""
         B, N = next_starts.shape
         has = next_starts >= 0
         keys = torch.rand(B, N, device=next_starts.device, generator=generator)
@@ -59,7 +60,6 @@ class AnchorPolicy:
         kept = torch.where(top >= 0, next_starts.gather(1, idx), torch.full_like(idx, -1))
         if k < self.slots:
             kept = torch.nn.functional.pad(kept, (0, self.slots - k), value=-1)
-        rows = sample_ids.to(self.device, non_blocking=True).long()
         self.positions.index_copy_(0, rows, kept.to(torch.int32))
 
     def state_dict(self) -> dict:
