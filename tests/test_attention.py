@@ -57,6 +57,35 @@ def test_split_matches_dense_values_and_grads(monkeypatch, chunk_elems):
         torch.testing.assert_close(a, b)
 
 
+def _leading(x, qs):
+    """[B, h, N*BS, d] -> the first qs slots of every block: [B, h, N*qs, d]."""
+    B, h, Q, d = x.shape
+    return x.view(B, h, Q // BS, BS, d)[:, :, :, :qs].reshape(B, h, -1, d)
+
+
+@pytest.mark.parametrize("impl", ["dense", "split"])
+@pytest.mark.parametrize("qs", [1, 2, 3])
+@pytest.mark.parametrize("chunk_elems", [1 << 24, 1])
+def test_leading_query_slots_equal_the_full_attention_sliced(monkeypatch, impl, qs, chunk_elems):
+    """Queries for only the first qs slots of every block (the drafter's last layer when the loss
+    reads no later slot) give exactly the full attention's rows for those slots, and the same
+    gradients as a loss on those rows of the full attention (keys and values of every slot)."""
+    monkeypatch.setattr(A, "_SPLIT_CHUNK_ELEMS", chunk_elems)
+    q, k, v, anchors, valid = _inputs()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    leaves2 = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = _leading(A.dense_attention(*leaves, anchors, valid, BS), qs)
+    out = A.block_attention(_leading(leaves2[0], qs), *leaves2[1:], anchors, valid, BS, impl)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref)
+    w = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * w).sum(), leaves)
+    g_out = torch.autograd.grad((out * w).sum(), leaves2)
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b)
+    assert g_out[0].abs().sum() > 0 and g_out[1].abs().sum() > 0
+
+
 def test_padding_blocks_are_zero_and_finite():
     q, k, v, anchors, valid = _inputs()
     for fn in (A.dense_attention, A.split_attention):

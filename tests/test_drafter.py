@@ -96,6 +96,34 @@ def test_impls_agree_in_drafter(impl):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("impl", ["dense", "split"])
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_out_slots_equal_the_full_forward_sliced(impl, slots):
+    """forward(out_slots=q): the first q slots of every block, equal to the full forward's, and
+    the same parameter gradients for a loss on those slots (the last layer skips the others'
+    queries and MLP, tests/test_attention.py holds the attention part)."""
+    emb, feats, anchors, valid = _batch()
+    ref_m, m = make(), make()
+    N = anchors.shape[1]
+    full = ref_m(emb, feats, anchors, valid, attention=impl)
+    ref = full.view(2, N, BS, H)[:, :, :slots].reshape(2, N * slots, H)
+    out = m(emb, feats, anchors, valid, attention=impl, out_slots=slots)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref)
+    w = torch.randn_like(ref)
+    (ref * w).sum().backward()
+    (out * w).sum().backward()
+    for (name, a), b in zip(m.named_parameters(), ref_m.parameters()):
+        assert a.grad is not None, name
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_out_slots_keeps_every_slot_where_the_variant_needs_whole_blocks():
+    m = make(variant="dflash2")
+    emb, feats, anchors, valid = _batch()
+    assert m(emb, feats, anchors, valid, out_slots=2).shape == emb.shape
+
+
 def test_block_isolation_from_other_blocks_and_future_context():
     m = make()
     emb, feats, anchors, valid = _batch()

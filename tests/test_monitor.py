@@ -445,6 +445,14 @@ def test_flops_drafter_terms_and_peaks():
     assert fm.drafter_params_matmul == per_layer
     assert fm.drafter_flops_per_query() == 6 * per_layer + 12 * 64 * (10 + 4) + 4 * 64 * 100
     assert fm.drafter_flops_per_context_token() == 6 * (3 * 64 * 64 + 2 * 64 * 32)
+    # 1 of 4 slots through the LM head, 2 of 4 read from the (only) layer: its block K/V for all
+    # 4 slots, its query, output and MLP for 2 (DFlashObjective.read_slots).
+    part = FlopsModel.from_configs(t, 3, d, seq_len=20, loss_slots=1, read_slots=2)
+    kv = 2 * 64 * 32
+    assert part.drafter_params_matmul == kv + (per_layer - kv) / 2
+    assert part.drafter_flops_per_query() == (
+        6 * (kv + (per_layer - kv) / 2) + 12 * 0.5 * 64 * (10 + 4) + 4 * 64 * 100 / 4
+    )
     assert peak_tflops_for_name("NVIDIA H200") == 989.0
     assert peak_tflops_for_name("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops_for_name("NVIDIA A100-SXM4-80GB") == 312.0

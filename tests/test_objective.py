@@ -607,6 +607,8 @@ def test_loss_slots_and_hidden_regression_match_dense_reference(K, lam, hw, chun
     )
     assert obj.loss_slots == (K or BS - 1)
     assert obj.needs_target_hidden == (lam > 0 or hw > 0)
+    # the drafter's last layer computes slots 0..K only unless the hidden-state term reads all
+    assert obj.read_slots == (0 if hw > 0 else obj.loss_slots + 1)
     out = _matches_dense(obj, _teacher())
     names = out.metric_names
     assert out.metrics.shape == (len(names),)

@@ -3,7 +3,8 @@
 Shapes (legend: B batch, hq/hkv query/kv heads, N blocks per row, bs block size, S context length,
 Q = N*bs block tokens, d head dim):
 
-    q          [B, hq,  Q,     d]   queries of the block tokens only
+    q          [B, hq,  Q,     d]   queries of the block tokens only: all bs slots of each block, or
+                                    (dense and split) its first qs < bs slots, Q = N*qs
     k, v       [B, hkv, S + Q, d]   keys/values = [projected context (S) ; block tokens (Q)]
     anchors    [B, N]   long        block j's slot 0 sits at absolute position anchors[b, j]
     block_valid[B, N]   bool        False = padding block (row had fewer valid anchors than N)
@@ -71,7 +72,9 @@ def block_attention(
 
     Returns [B, hq, Q, d] in q's dtype. Padding blocks give zeros. `mask_cache`: a dict shared by
     the layers of one forward, so the mask (dense) or BlockMask (flex) is built once per forward,
-    not once per layer; the split form needs none.
+    not once per layer; the split form needs none. q may hold only the first qs slots of every
+    block (Q = N*qs; dense and split): their outputs are those the full set of queries would give,
+    as every block's keys are all there.
     """
     impl = resolve_impl(impl, q.device)
     if impl == "split":
@@ -81,13 +84,17 @@ def block_attention(
 
 
 def _check(q, k, anchors, block_size):
+    """(B, hq, N, S, d, qs): qs = query slots per block (block_size, or a prefix of the slots)."""
     B, hq, Q, d = q.shape
     N = anchors.shape[1]
-    assert Q == N * block_size, f"q has {Q} tokens, expected N*bs = {N}*{block_size}"
+    qs = Q // max(N, 1)
+    assert Q == N * qs and 0 < qs <= block_size, (
+        f"q has {Q} tokens, expected N*qs = {N}*qs with 0 < qs <= {block_size}"
+    )
     assert hq % k.shape[1] == 0, "query heads must be a multiple of kv heads"
-    S = k.shape[2] - Q
+    S = k.shape[2] - N * block_size
     assert S >= 0, "k/v must hold [context ; block tokens]"
-    return B, hq, N, S, d
+    return B, hq, N, S, d, qs
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -101,12 +108,18 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def dense_mask(
-    anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int, context_len: int
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    block_size: int,
+    context_len: int,
+    query_slots: int | None = None,
 ) -> torch.Tensor:
-    """The boolean "may attend" mask [B, Q, S+Q] of §2.3 (padding blocks: all False)."""
+    """The boolean "may attend" mask [B, Q, S+N*bs] of §2.3 (padding blocks: all False), for the
+    first `query_slots` (default all) slots of every block as queries (Q = N*query_slots)."""
     B, N = anchors.shape
     dev = anchors.device
-    q_block = torch.arange(N * block_size, device=dev) // block_size  # [Q]
+    qs = query_slots or block_size
+    q_block = torch.arange(N * qs, device=dev) // qs  # [Q]
     kv = torch.arange(context_len + N * block_size, device=dev)  # [S+Q]
     q_anchor = anchors[:, q_block]  # [B, Q]
     ctx_ok = (kv[None, None, :] < context_len) & (kv[None, None, :] < q_anchor[:, :, None])
@@ -127,14 +140,14 @@ def _cached(mask_cache: dict | None, key: str, build):
 
 def dense_attention(q, k, v, anchors, block_valid, block_size, scale=None, mask_cache=None):
     """Reference: explicit [Q, S+Q] scores and boolean mask. Memory O(Q*(S+Q)); for tests/bench."""
-    B, hq, N, S, d = _check(q, k, anchors, block_size)
+    B, hq, N, S, d, qs = _check(q, k, anchors, block_size)
     groups = hq // k.shape[1]
     scale = d**-0.5 if scale is None else scale
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     mask = _cached(
         mask_cache,
-        "dense",  # [B,1,Q,S+Q]
-        lambda: dense_mask(anchors, block_valid, block_size, S)[:, None],
+        f"dense{qs}",  # [B,1,Q,S+N*bs]
+        lambda: dense_mask(anchors, block_valid, block_size, S, qs)[:, None],
     )
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -167,8 +180,8 @@ def split_attention(q, k, v, anchors, block_valid, block_size, scale=None):
     more than one chunk of [rows, S] context scores, and nothing is recomputed twice (activation
     checkpointing would rerun the whole forward of the chunk and then autograd's backward).
     """
-    B, hq, N, S, d = _check(q, k, anchors, block_size)
-    scale = d**-0.5 if scale is None else float(scale)
+    _check(q, k, anchors, block_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _SplitAttention.apply(q, k, v, anchors, block_valid, block_size, scale)
 
 
@@ -194,29 +207,29 @@ def coarser_split_chunks(factor: int):
 
 
 class _SplitAttention(torch.autograd.Function):
-    """Internal layout: [B, hkv, N, g, bs, ...] (g = query heads per kv head), so a chunk of
-    blocks is a contiguous slice and every product is one batched matmul over B*hkv with
-    n*g*bs rows: GQA needs no repeat of k/v."""
+    """Internal layout: [B, hkv, N, g, qs, ...] (g = query heads per kv head, qs = query slots
+    per block), so a chunk of blocks is a contiguous slice and every product is one batched
+    matmul over B*hkv with n*g*qs rows: GQA needs no repeat of k/v."""
 
     @staticmethod
     def forward(ctx, q, k, v, anchors, block_valid, block_size, scale):
-        B, hq, N, S, d = _check(q, k, anchors, block_size)
+        B, hq, N, S, d, qs = _check(q, k, anchors, block_size)
         hkv, bs = k.shape[1], block_size
         g = hq // hkv
         f32 = torch.float32  # fp32 scores and softmax statistics whatever the input dtype
         with torch.autocast(q.device.type, enabled=False):
-            qp = _to_blocks(q, hkv, g, N, bs)  # [B,hkv,N,g,bs,d]
+            qp = _to_blocks(q, hkv, g, N, qs)  # [B,hkv,N,g,qs,d]
             k_ctx, v_ctx, k_blk, v_blk = _split_kv(k, v, S, N, bs)
-            out = torch.empty(B, hkv, N, g, bs, d, dtype=f32, device=q.device)
-            lse = torch.empty(B, hkv, N, g, bs, 1, dtype=f32, device=q.device)
+            out = torch.empty(B, hkv, N, g, qs, d, dtype=f32, device=q.device)
+            lse = torch.empty(B, hkv, N, g, qs, 1, dtype=f32, device=q.device)
             chunk = _split_chunk_blocks(B, hq, bs, S)
             for c0 in range(0, N, chunk):
                 c1 = min(N, c0 + chunk)
-                qc = qp[:, :, c0:c1] * scale  # [B,hkv,n,g,bs,d]
-                s_blk = _block_scores(qc, k_blk[:, :, c0:c1])  # [..,g,bs,bs]
+                qc = qp[:, :, c0:c1] * scale  # [B,hkv,n,g,qs,d]
+                s_blk = _block_scores(qc, k_blk[:, :, c0:c1])  # [..,g,qs,bs]
                 m = s_blk.amax(dim=-1, keepdim=True)
                 if S > 0:
-                    s_ctx = _ctx_scores(qc, k_ctx, anchors[:, c0:c1])  # [..,g,bs,S]
+                    s_ctx = _ctx_scores(qc, k_ctx, anchors[:, c0:c1])  # [..,g,qs,S]
                     m = torch.maximum(m, s_ctx.amax(dim=-1, keepdim=True))
                 p_blk = s_blk.sub_(m).exp_()
                 num = torch.matmul(p_blk.flatten(3, 4), v_blk[:, :, c0:c1]).view_as(qc)
@@ -237,16 +250,16 @@ class _SplitAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, anchors, block_valid, out, lse = ctx.saved_tensors
         bs, scale = ctx.block_size, ctx.scale
-        B, hq, N, S, d = _check(q, k, anchors, bs)
+        B, hq, N, S, d, qs = _check(q, k, anchors, bs)
         hkv = k.shape[1]
         g = hq // hkv
         f32 = torch.float32
         with torch.autocast(q.device.type, enabled=False):
-            qp = _to_blocks(q, hkv, g, N, bs)
-            do = _to_blocks(dout, hkv, g, N, bs).mul(_valid_view(block_valid))  # pad blocks: 0
-            D = (do * out).sum(dim=-1, keepdim=True)  # [..,g,bs,1]
+            qp = _to_blocks(q, hkv, g, N, qs)
+            do = _to_blocks(dout, hkv, g, N, qs).mul(_valid_view(block_valid))  # pad blocks: 0
+            D = (do * out).sum(dim=-1, keepdim=True)  # [..,g,qs,1]
             k_ctx, v_ctx, k_blk, v_blk = _split_kv(k, v, S, N, bs)
-            dq = torch.empty(B, hkv, N, g, bs, d, dtype=f32, device=q.device)
+            dq = torch.empty(B, hkv, N, g, qs, d, dtype=f32, device=q.device)
             dk_ctx = torch.zeros(B, hkv, S, d, dtype=f32, device=q.device)
             dv_ctx = torch.zeros(B, hkv, S, d, dtype=f32, device=q.device)
             dk_blk = torch.empty(B, hkv, N, bs, d, dtype=f32, device=q.device)
@@ -257,14 +270,14 @@ class _SplitAttention(torch.autograd.Function):
                 qc = qp[:, :, c0:c1] * scale
                 doc, Dc, lc = do[:, :, c0:c1], D[:, :, c0:c1], lse[:, :, c0:c1]
                 kb, vb = k_blk[:, :, c0:c1], v_blk[:, :, c0:c1]
-                # block-local part: [B,hkv,n,(g bs),bs]
+                # block-local part: [B,hkv,n,(g qs),bs]
                 p = _block_scores(qc, kb).sub_(lc).exp_().flatten(3, 4)
                 dv_blk[:, :, c0:c1] = torch.matmul(p.transpose(-1, -2), doc.flatten(3, 4))
                 ds = torch.matmul(doc.flatten(3, 4), vb.transpose(-1, -2))
                 ds = ds.sub_(Dc.flatten(3, 4)).mul_(p)
                 dqc = torch.matmul(ds, kb).view_as(qc)
                 dk_blk[:, :, c0:c1] = torch.matmul(ds.transpose(-1, -2), qc.flatten(3, 4))
-                if S > 0:  # [B,hkv,(n g bs),S]
+                if S > 0:  # [B,hkv,(n g qs),S]
                     p = _ctx_scores(qc, k_ctx, anchors[:, c0:c1]).sub_(lc).exp_().flatten(2, 4)
                     dof = doc.flatten(2, 4)
                     dv_ctx += torch.matmul(p.transpose(-1, -2), dof)
@@ -291,16 +304,16 @@ def _split_kv(k, v, S, N, bs):
     )
 
 
-def _to_blocks(x, hkv, g, N, bs):
-    """[B, hq, N*bs, d] (any dtype) -> fp32 [B, hkv, N, g, bs, d], contiguous."""
+def _to_blocks(x, hkv, g, N, qs):
+    """[B, hq, N*qs, d] (any dtype) -> fp32 [B, hkv, N, g, qs, d], contiguous."""
     B, _, _, d = x.shape
-    return x.reshape(B, hkv, g, N, bs, d).transpose(2, 3).to(torch.float32).contiguous()
+    return x.reshape(B, hkv, g, N, qs, d).transpose(2, 3).to(torch.float32).contiguous()
 
 
 def _from_blocks(x, dtype):
-    """fp32 [B, hkv, N, g, bs, d] -> [B, hq, N*bs, d] in dtype."""
-    B, hkv, N, g, bs, d = x.shape
-    return x.transpose(2, 3).reshape(B, hkv * g, N * bs, d).to(dtype)
+    """fp32 [B, hkv, N, g, qs, d] -> [B, hq, N*qs, d] in dtype."""
+    B, hkv, N, g, qs, d = x.shape
+    return x.transpose(2, 3).reshape(B, hkv * g, N * qs, d).to(dtype)
 
 
 def _valid_view(block_valid):
@@ -308,12 +321,12 @@ def _valid_view(block_valid):
 
 
 def _block_scores(qc, kb):
-    """qc [B,hkv,n,g,bs,d] (scaled), kb [B,hkv,n,bs,d] -> [B,hkv,n,g,bs,bs]."""
+    """qc [B,hkv,n,g,qs,d] (scaled), kb [B,hkv,n,bs,d] -> [B,hkv,n,g,qs,bs]."""
     return torch.matmul(qc.flatten(3, 4), kb.transpose(-1, -2)).view(*qc.shape[:-1], kb.shape[3])
 
 
 def _ctx_scores(qc, k_ctx, anchors_c):
-    """qc [B,hkv,n,g,bs,d] (scaled), k_ctx [B,hkv,S,d] -> [B,hkv,n,g,bs,S], -inf at kv >= anchor."""
+    """qc [B,hkv,n,g,qs,d] (scaled), k_ctx [B,hkv,S,d] -> [B,hkv,n,g,qs,S], -inf at kv >= anchor."""
     S = k_ctx.shape[2]
     s = torch.matmul(qc.flatten(2, 4), k_ctx.transpose(-1, -2)).view(*qc.shape[:-1], S)
     hidden = torch.arange(S, device=qc.device) >= anchors_c[:, :, None]  # [B,n,S]
@@ -431,7 +444,11 @@ def flex_block_attention(
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    B, hq, N, S, d = _check(q, k, anchors, block_size)
+    B, hq, N, S, d, qs = _check(q, k, anchors, block_size)
+    if qs != block_size:
+        raise ValueError(
+            f"flex attention needs every slot of a block as a query ({qs} of {block_size})"
+        )
     Q, KV = q.shape[2], k.shape[2]
     bm = _cached(
         mask_cache,

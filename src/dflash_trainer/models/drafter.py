@@ -32,7 +32,7 @@ from torch import nn
 from dflash_trainer.config import DrafterConfig
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import rope, variants
-from dflash_trainer.models.attention import block_attention
+from dflash_trainer.models.attention import block_attention, resolve_impl
 from dflash_trainer.models.target_layout import (
     SHAPE_FIELDS,
     first_source_layer,
@@ -202,6 +202,15 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dt)
 
 
+def leading_slots(x: torch.Tensor, block_size: int, slots: int) -> torch.Tensor:
+    """[B, N*block_size, ...] -> [B, N*slots, ...]: the first `slots` slots of every block."""
+    B, Q = x.shape[:2]
+    n = Q // block_size
+    return x.reshape(B, n, block_size, *x.shape[2:])[:, :, :slots].reshape(
+        B, n * slots, *x.shape[2:]
+    )
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, h, L, d]; cos/sin [B, L, d] (broadcast over heads)."""
     cos, sin = cos[:, None], sin[:, None]
@@ -256,6 +265,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.block_size = cfg.block_size
         # the variant's wraps around the attention / MLP sublayer (none for DFlash)
         self._wrap_names: dict[str, str] = {}
         for sublayer, (name, module) in cfg.spec.layer_parts(cfg).items():
@@ -266,17 +276,31 @@ class DecoderLayer(nn.Module):
         name = self._wrap_names.get(sublayer)
         return None if name is None else cast("variants.base.SublayerWrap", getattr(self, name))
 
-    def forward(self, x, rope, attend):
+    def forward(self, x, rope, attend, query_slots: int = 0):
         """x [B,Q,H] block stream (blocks of block_size consecutive rows); rope = (cos, sin) at
-        the block positions; attend(q, k_blk, v_blk) -> [B,h,Q,d] supplies the context K/V and
-        the mask. The context is never convolved: it has no residual stream here."""
+        the block positions; attend(q, k_blk, v_blk) -> [B,h,Q',d] supplies the context K/V and
+        the mask. The context is never convolved: it has no residual stream here.
+
+        `query_slots` > 0 (a last layer whose later slots nobody reads; not with the variant's
+        wraps, which see whole blocks): only the first query_slots slots of every block come
+        out, [B, N*query_slots, H], and only they pay for the query, the attention output and
+        the MLP; every slot's keys and values are still computed, since a block attends to all
+        of its slots. Those outputs equal the full layer's (tests/test_drafter.py)."""
         a = self.self_attn
         h = self.input_layernorm(x)
         wrap = self._wrap("attention")
         if wrap is not None:
             h, state = wrap.prepare(h)
-        q = a.project_q(h, *rope)
         k_blk, v_blk = a.project_kv(h, *rope)
+        if query_slots:
+            if self._wrap_names:
+                raise ValueError("query_slots: the variant's wraps need every slot of a block")
+            x, h = (
+                leading_slots(x, self.block_size, query_slots),
+                leading_slots(h, self.block_size, query_slots),
+            )
+            rope = tuple(leading_slots(r, self.block_size, query_slots) for r in rope)
+        q = a.project_q(h, *rope)
         o = a.merge(attend(q, k_blk, v_blk))
         if wrap is not None:
             o = wrap.finish(o, state)
@@ -394,14 +418,26 @@ class DFlashDrafter(nn.Module):
         anchors: torch.Tensor,
         block_valid: torch.Tensor,
         attention: str | None = None,
+        out_slots: int = 0,
     ) -> torch.Tensor:
         """block_embeds [B,N*bs,H], features [B,S,n*H], anchors [B,N] long, block_valid [B,N] bool
-        -> final-normed hidden [B,N*bs,H]. Block j slot k sits at position anchors[:,j]+k and sees
-        context positions < anchors[:,j] and its own block (models/attention.py)."""
+        -> final-normed hidden [B,N*q,H]. Block j slot k sits at position anchors[:,j]+k and sees
+        context positions < anchors[:,j] and its own block (models/attention.py).
+
+        q = bs, or `out_slots` (0 < out_slots < bs) where the caller reads only the first
+        out_slots slots of every block and the last layer can skip the others' queries and MLP
+        (DecoderLayer.forward; not with the variant's wraps or flex attention, where q = bs:
+        the caller reads q from the shape)."""
         c = self.config
         B, Q, _ = block_embeds.shape
         S, bs = features.shape[1], c.block_size
         impl = attention or c.attention
+        layers = self.decoder_layers
+        prune = (
+            0 < out_slots < bs
+            and not layers[-1]._wrap_names
+            and resolve_impl(impl, block_embeds.device) != "flex"
+        )
         ctx = self.fuse(features)
         x = (
             block_embeds
@@ -415,7 +451,7 @@ class DFlashDrafter(nn.Module):
         rope_q = self.rope_cos_sin(blk_pos, dt)
         rope_c = self.rope_cos_sin(ctx_pos, dt)
         masks: dict = {}  # one mask / BlockMask for all layers of this forward
-        for layer in self.decoder_layers:
+        for i, layer in enumerate(layers):
             a = layer.self_attn
             k_ctx, v_ctx = a.project_kv(ctx, *rope_c)
 
@@ -424,7 +460,8 @@ class DFlashDrafter(nn.Module):
                 v = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
                 return block_attention(q, k, v, anchors, block_valid, bs, impl, mask_cache=masks)
 
-            x = layer(x, rope_q, attend)
+            last = i == len(layers) - 1
+            x = layer(x, rope_q, attend, out_slots if prune and last else 0)
         return self.norm(x)
 
     # -------------------------------------------------------------------------------- inference

@@ -82,13 +82,14 @@ class FlopsModel:
     target_params_matmul: float  # matmul params of the target layers actually run
     target_layers: int  # layers run (last tapped layer + 1)
     target_attn_dim: int  # heads * head_dim
-    drafter_params_matmul: float  # drafter layer matmul params applied to each query token
+    drafter_params_matmul: float  # drafter layer matmul params applied per query token (mean)
     drafter_layers: int
     drafter_attn_dim: int
     drafter_context_params: float = 0.0  # fc + per-layer context K/V, applied per context token
-    lm_head_params: float = 0.0  # hidden * vocab of the frozen head on query tokens
+    lm_head_params: float = 0.0  # hidden * vocab of the frozen head per query token (mean)
     block_size: int = 16
     seq_len: float = 1024.0  # default context length for the attention terms
+    attention_layers: float = 0.0  # drafter layers' attention per query (0 = drafter_layers)
 
     def target_flops_per_token(self, seq_len: float | None = None) -> float:
         s = self.seq_len if seq_len is None else seq_len
@@ -96,7 +97,8 @@ class FlopsModel:
 
     def drafter_flops_per_query(self, seq_len: float | None = None) -> float:
         s = self.seq_len if seq_len is None else seq_len
-        attn = 12.0 * self.drafter_layers * self.drafter_attn_dim * (s / 2.0 + self.block_size)
+        layers = self.attention_layers or self.drafter_layers
+        attn = 12.0 * layers * self.drafter_attn_dim * (s / 2.0 + self.block_size)
         return 6.0 * self.drafter_params_matmul + attn + 4.0 * self.lm_head_params
 
     def drafter_flops_per_context_token(self) -> float:
@@ -110,10 +112,16 @@ class FlopsModel:
         drafter_config: object,
         seq_len: float = 1024.0,
         block_size: int | None = None,
+        loss_slots: int = 0,
+        read_slots: int = 0,
     ) -> FlopsModel:
         """From an HF target config (or anything with those attribute names) and a DFlash config.
 
         `target_layers_run` = last tapped layer + 1 (the target forward stops there).
+        `loss_slots`: slots per block that go through the LM head (0 = every slot);
+        `read_slots`: slots per block whose last-layer query, attention and MLP are computed
+        (0 = every slot; DFlashObjective.read_slots). The per-query figures are averages over a
+        block's slots, so MFU counts what the step computes.
         """
         t_hidden, t_attn, _, _ = layer_shape(target_config)
         d_hidden, d_attn, d_kv, _ = layer_shape(drafter_config)
@@ -122,15 +130,20 @@ class FlopsModel:
         n_taps = len(taps) if taps else 1
         vocab = int(_get(target_config, "vocab_size"))
         context = n_taps * t_hidden * d_hidden + d_layers * 2 * d_hidden * d_kv
+        bs = block_size or int(_get(drafter_config, "block_size", default=16))
+        per_layer = layer_matmul_params(drafter_config)
+        # The last layer's block K/V cover every slot; its query, output and MLP only the read ones.
+        skipped = (1.0 - (read_slots or bs) / bs) * (per_layer - 2 * d_hidden * d_kv)
         return cls(
             target_params_matmul=float(target_layers_run * layer_matmul_params(target_config)),
             target_layers=int(target_layers_run),
             target_attn_dim=t_attn,
-            drafter_params_matmul=float(d_layers * layer_matmul_params(drafter_config)),
+            drafter_params_matmul=float(d_layers * per_layer - skipped),
             drafter_layers=d_layers,
             drafter_attn_dim=d_attn,
             drafter_context_params=float(context),
-            lm_head_params=float(d_hidden * vocab),
-            block_size=block_size or int(_get(drafter_config, "block_size", default=16)),
+            lm_head_params=float(d_hidden * vocab) * (loss_slots or bs) / bs,
+            block_size=bs,
             seq_len=float(seq_len),
+            attention_layers=d_layers - 1 + (read_slots or bs) / bs,
         )

@@ -418,6 +418,8 @@ class Trainer:
                 max(target.layer_ids) + 1,
                 parts.drafter.config,
                 seq_len=float(parts.train_set.lengths.mean()),
+                loss_slots=parts.objective.loss_slots,
+                read_slots=parts.objective.read_slots,
             ),
             rank=self.rank,
         )

@@ -140,6 +140,15 @@ class DFlashObjective:
         target's labels)."""
         return needs_final_hidden(self.kd_weight, self.hidden_weight, self.label_source)
 
+    @property
+    def read_slots(self) -> int:
+        """Slots per block whose final hidden state the loss reads: 0..K (K = loss_slots) when
+        nothing else reads the rest (the hidden-state term and the variant's terms read every
+        slot), else 0 = all. The drafter's last layer computes only those (drafter.forward)."""
+        if self.extra_terms is not None or self.hidden_weight > 0:
+            return 0
+        return self.loss_slots + 1
+
     def slot_weights(self, device) -> torch.Tensor:
         """[bs]: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1 (slot 1 has weight 1)."""
         k = torch.arange(self.block_size, device=device, dtype=torch.float32)
@@ -277,10 +286,13 @@ class DFlashObjective:
             features = add_feature_noise(features, self.feature_noise, taps, generator)
         block_ids = self.build_blocks(input_ids, anchors, block_valid)
         block_embeds = F.embedding(block_ids.reshape(B, N * bs), embed_weight.detach())
-        hidden = (
-            drafter(block_embeds, features, anchors, block_valid, self.attention)
-            if self.attention
-            else drafter(block_embeds, features, anchors, block_valid)
+        hidden = drafter(
+            block_embeds,
+            features,
+            anchors,
+            block_valid,
+            self.attention or None,
+            out_slots=self.read_slots,
         )
         labels, label_valid = self.build_labels(input_ids, loss_mask, anchors, block_valid)
         teacher = None
@@ -324,9 +336,9 @@ class DFlashObjective:
     def loss_from_hidden(
         self, hidden, lm_head, labels, label_valid, block_valid, teacher=None
     ) -> StepOutput:
-        """hidden [B,N*bs,H] -> weighted CE (+ KD against `teacher` [B,N,bs-1,H], the target's
-        hidden states for slots 1..bs-1) (+ hidden-state regression onto `teacher`) + metrics,
-        LM head applied chunk_blocks at a time.
+        """hidden [B,N*q,H] (q = bs, or K+1: read_slots) -> weighted CE (+ KD against `teacher`
+        [B,N,bs-1,H], the target's hidden states for slots 1..bs-1) (+ hidden-state regression
+        onto `teacher`) + metrics, LM head applied chunk_blocks at a time.
 
         Slot 0 is never decoded (it is given), so only slots 1..K (K = loss_slots) go through
         the LM head; the hidden-state term, which needs no LM head, covers every slot.
@@ -340,7 +352,7 @@ class DFlashObjective:
                 "lm_head must be frozen (requires_grad False): the chunked loss "
                 "returns gradients for the drafter hidden states only"
             )
-        h_all = hidden.view(B, N, bs, -1)[:, :, 1:]
+        h_all = hidden.view(B, N, -1, hidden.shape[-1])[:, :, 1:]  # every slot, or 1..K
         h = h_all[:, :, :K]
         valid = label_valid[:, :, 1 : K + 1].float()  # [B,N,K]
         weigh: _DPaceWeights | _FixedWeights
