@@ -62,8 +62,8 @@ def test_the_loss_trains_on_the_target_labels_with_the_text_validity():
     E = torch.randn(V, H)
     w = torch.nn.Parameter(torch.eye(H))
 
-    def drafter(emb, feats, anchors, block_valid):
-        return emb @ w
+    def drafter(emb, feats, anchors, block_valid, attention=None, out_slots=0):
+        return emb @ w  # every slot (a drafter may return all of them: the loss reads the shape)
 
     seen = {}
     for source in ("text", "target"):
