@@ -127,7 +127,7 @@ def test_batched_greedy_matches_naive_loop_and_stops_at_eos(target, tmp_path):
             "temperature": 0.0,
             "top_p": 1.0,
             "thinking": False,
-            "engine": "hf",
+            "engine": "project",
             "seed": 0,
             "dtype": "float32",
             "finish_reason": reason,
@@ -220,7 +220,7 @@ def test_sampled_answers_record_how_they_were_sampled(target, tmp_path):
             "temperature": 0.8,
             "top_p": 0.9,
             "seed": 7,
-            "engine": "hf",
+            "engine": "project",
             "dtype": "float32",
         }
         assert prov["target_revision"] == "abc" and prov["finish_reason"] in ("stop", "length")

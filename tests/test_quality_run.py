@@ -65,7 +65,7 @@ def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
         "synth.min_chars": "1",
         "synth.max_tokens": "48",
         "synth.exclude": "[]",
-        "generate.engine": "hf",
+        "generate.engine": "project",
         "generate.max_new_tokens": "8",
         "pipeline.feature_cache_gb": "0",
         "metrics.wandb": "off",
@@ -103,7 +103,7 @@ def test_quality_run_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, variant):
     (ans,) = answers
     recs = [json.loads(x) for x in ans.read_text().splitlines()]
     assert len(recs) == 4 and all(r["provenance"]["temperature"] == 0.8 for r in recs)
-    assert all(r["provenance"]["seed"] == 0 and r["provenance"]["engine"] == "hf" for r in recs)
+    assert all(r["provenance"]["seed"] == 0 and r["provenance"]["engine"] == "project" for r in recs)
 
 
 def test_the_end_of_run_decode_follows_report_sources():

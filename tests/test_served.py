@@ -65,10 +65,10 @@ def test_generate_engine_choice(tmp_path, monkeypatch):
     from dflash_trainer.data import generate as gen
 
     cfg = Config()
-    assert gen.choose_engine(cfg, "hf", 10**9) == ("hf", None)
-    assert gen.choose_engine(cfg, "auto", gen.AUTO_VLLM_MIN_BUDGET - 1) == ("hf", None)  # small job
+    assert gen.choose_engine(cfg, "project", 10**9) == ("project", None)
+    assert gen.choose_engine(cfg, "auto", gen.AUTO_VLLM_MIN_BUDGET - 1) == ("project", None)  # small job
     cfg.target.dtype = "float32"
-    assert gen.choose_engine(cfg, "auto", 10**9) == ("hf", None)  # float32: the two run alike
+    assert gen.choose_engine(cfg, "auto", 10**9) == ("project", None)  # float32: the two run alike
     cfg.target.dtype = "bfloat16"
     cfg.eval.vllm_python = str(tmp_path / "nowhere" / "python")
     with pytest.raises(UserError, match="does not exist"):
@@ -77,7 +77,7 @@ def test_generate_engine_choice(tmp_path, monkeypatch):
     (tmp_path / "venv" / "bin" / "python").touch()
     (tmp_path / "venv" / ".unavailable").write_text("no wheel for this platform")
     cfg.eval.vllm_python = str(tmp_path / "venv" / "bin" / "python")
-    assert gen.choose_engine(cfg, "auto", 10**6) == ("hf", None)  # auto: not installed -> the loop
+    assert gen.choose_engine(cfg, "auto", 10**6) == ("project", None)  # auto: not installed -> the loop
     with pytest.raises(UserError, match="no wheel for this platform"):
         gen.choose_engine(cfg, "vllm", 10**6)
 

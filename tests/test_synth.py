@@ -92,13 +92,13 @@ def test_pre_query_is_the_template_up_to_the_user_text(chatml_tokenizer):
 def test_deterministic_under_a_seed_with_provenance_and_reuse(target, tmp_path):
     cfg = lenient(tmp_path)
     a, b, c = (tmp_path / f"{n}.jsonl" for n in "abc")
-    stats = syn.synthesize_prompts(cfg, target, a, "hf")
-    assert stats["kept"] == 6 and stats["engine"] == "hf" and not stats["reused"]
+    stats = syn.synthesize_prompts(cfg, target, a, "project")
+    assert stats["kept"] == 6 and stats["engine"] == "project" and not stats["reused"]
     assert stats["candidates"] == 6 + sum(stats["rejected"].values())
-    syn.synthesize_prompts(cfg, target, b, "hf")
+    syn.synthesize_prompts(cfg, target, b, "project")
     assert read(a) == read(b)
     cfg.synth.seed = 1
-    syn.synthesize_prompts(cfg, target, c, "hf")
+    syn.synthesize_prompts(cfg, target, c, "project")
     assert [r["messages"] for r in read(c)] != [r["messages"] for r in read(a)]
     recs = read(a)
     assert len({syn.normalise(r["messages"][0]["content"]) for r in recs}) == 6
@@ -110,13 +110,13 @@ def test_deterministic_under_a_seed_with_provenance_and_reuse(target, tmp_path):
         "temperature": 1.0,
         "top_p": 0.95,
         "top_k": 0,
-        "engine": "hf",
+        "engine": "project",
         "dtype": "float32",
     }
     assert "target_revision" in prov and recs[0]["source"] == "synth"
     # same settings: the file is reused, not resampled
     cfg.synth.seed = 0
-    again = syn.synthesize_prompts(cfg, target, a, "hf")
+    again = syn.synthesize_prompts(cfg, target, a, "project")
     assert again["reused"] and read(a) == recs
 
 
@@ -132,7 +132,7 @@ def test_top_k_reaches_both_engines(target, tmp_path, monkeypatch):
         return [(list(ids), True) for _ in rows]
 
     monkeypatch.setattr(syn, "decode_batch", fake_decode)
-    syn.synthesize_prompts(cfg, target, tmp_path / "k.jsonl", "hf")
+    syn.synthesize_prompts(cfg, target, tmp_path / "k.jsonl", "project")
     assert seen and {(x.temperature, x.top_p, x.top_k) for x in seen} == {(1.0, 0.95, 7)}
     assert {r["provenance"]["top_k"] for r in read(tmp_path / "k.jsonl")} == {7}
 
@@ -181,7 +181,7 @@ def test_never_emits_a_held_out_prompt(target, tmp_path, monkeypatch):
     monkeypatch.setattr(syn, "sample_turns", _fake_sampler(target, texts))
     cfg = lenient(tmp_path, prompts=3, exclude=[str(held_file)], hints=[""])
     out = tmp_path / "p.jsonl"
-    stats = syn.synthesize_prompts(cfg, target, out, "hf")
+    stats = syn.synthesize_prompts(cfg, target, out, "project")
     assert [r["messages"][0]["content"] for r in read(out)] == good
     assert stats["rejected"] == {"held_out": 3, "duplicate": 2}
 
@@ -222,7 +222,7 @@ def test_no_usable_turn_is_a_clear_error(target, tmp_path, monkeypatch):
     monkeypatch.setattr(syn, "sample_turns", _fake_sampler(target, ["x"]))
     cfg = lenient(tmp_path, prompts=2, min_chars=5, max_rounds=2)
     with pytest.raises(UserError, match="none of .* sampled user turns passed"):
-        syn.synthesize_prompts(cfg, target, tmp_path / "x.jsonl", "hf")
+        syn.synthesize_prompts(cfg, target, tmp_path / "x.jsonl", "project")
 
 
 def test_cli_generate_synthesises_then_answers(tmp_path, capsys):
@@ -232,7 +232,7 @@ def test_cli_generate_synthesises_then_answers(tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = [
         "generate",
-        "--generate.engine=hf",
+        "--generate.engine=project",
         "--generate.max_new_tokens=4",
         f"--target.model={d}",
         "--target.dtype=float32",
@@ -251,7 +251,7 @@ def test_cli_generate_synthesises_then_answers(tmp_path, capsys):
     assert len(prompts) == 3 and {r["id"] for r in answers} == {r["id"] for r in prompts}
     for r in answers:
         assert r["messages"][0] == next(p for p in prompts if p["id"] == r["id"])["messages"][0]
-        assert r["provenance"]["engine"] == "hf"
+        assert r["provenance"]["engine"] == "project"
     assert "synth: 3 prompts" in capsys.readouterr().out
 
 
@@ -261,7 +261,7 @@ def source_cfg(tmp_path, prompts=4) -> Config:
     cfg.data.sources = ["synth"]
     cfg.target.model, cfg.target.dtype = "tiny", "float32"
     cfg.target.cache_dir = str(tmp_path / "cache")
-    cfg.generate.engine, cfg.generate.max_new_tokens = "hf", 4
+    cfg.generate.engine, cfg.generate.max_new_tokens = "project", 4
     return cfg
 
 

@@ -521,7 +521,7 @@ class PipelineConfig:
     )
     capture_features: bool = _f(
         True,
-        "CPU runs whose data the project's decode loop writes (generate.engine hf, e.g. the demo "
+        "CPU runs whose data the project's decode loop writes (generate.engine project, e.g. the demo "
         "where auto is fp32): keep the target's taps computed while generating, within "
         "feature_cache_gb, so the first epoch runs the target only for samples whose ids differ "
         "from the generated ones and the drafter has the cores from step 1 "
@@ -821,11 +821,11 @@ class GenerateConfig:
     )
     engine: str = _f(
         "auto",
-        "hf = the project's batched decode loop; vllm = vLLM's offline engine (its own venv: "
+        "project = the project's batched decode loop; vllm = vLLM's offline engine (its own venv: "
         "make vllm; eval.vllm_python), its sampling parameters recorded in each record's "
         "provenance; auto = vllm where installed (bf16/fp16 targets, jobs of >= 2048 prompts x "
-        "tokens), else hf",
-        choices=("auto", "hf", "vllm"),
+        "tokens), else project",
+        choices=("auto", "project", "vllm"),
     )
     chunk_prompts: int = _f(
         512,
@@ -996,6 +996,7 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
     ("pipeline.precision", "bf16"): "bfloat16",
     ("checkpoint.export_dtype", "as_trained"): "keep",
     ("export.dtype", "as_stored"): "keep",
+    ("generate.engine", "hf"): "project",  # the project's loop: one name, as in evaluation
 }
 
 

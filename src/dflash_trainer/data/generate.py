@@ -287,7 +287,7 @@ def generate_responses(
     rendering: Rendering | None = None,
     seed: int = 0,
     progress: bool = True,
-    engine: str = "hf",
+    engine: str = "project",
     vllm: Any = None,
     extra_provenance: dict | None = None,
     capture: Any = None,
@@ -300,13 +300,13 @@ def generate_responses(
     `Rendering()`, chat). `sampling`: how tokens are chosen (None = greedy).
     Batches are left padded; prompts are sorted by length so a batch wastes little padding.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
-    `engine`: "hf" = the project's decode loop (decode/loop.py), batched; "vllm" = vLLM's offline
+    `engine`: "project" = the project's decode loop (decode/loop.py), batched; "vllm" = vLLM's offline
     engine (`vllm`: a models/vllm_engine.VLLMEngine serving this target), one engine for all
     prompts, its records appended every `chunk_prompts` prompts (a kill loses at most one chunk),
     its sampling parameters in each record's provenance.
     Every record's provenance names the engine, the seed and the target's dtype (a sampled
     answer is reproducible from them), plus `extra_provenance` (e.g. the target revision).
-    `capture` (engine hf): a pipeline.feature_cache.CapturedFeatures kept for training's first
+    `capture` (engine project): a pipeline.feature_cache.CapturedFeatures kept for training's first
     epoch (decode_batch).
     """
     rendering = rendering or Rendering()
@@ -328,8 +328,8 @@ def generate_responses(
     eos = list(target.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     t0 = time.perf_counter()
-    if engine not in ("hf", "vllm"):
-        raise UserError(f"generate: engine '{engine}' is not one of hf, vllm.")
+    if engine not in ("project", "vllm"):
+        raise UserError(f"generate: engine '{engine}' is not one of project, vllm.")
     with showing_progress(
         len(todo) + len(done), initial=len(done), desc="generate", unit="prompt", enabled=progress
     ) as bar:
@@ -373,7 +373,7 @@ def _provenance(
         **(extra or {}),
         # sampled answers come from one engine's sampler: a resume never mixes two streams
         **(
-            {"sampler": SAMPLER if engine == "hf" else engine}
+            {"sampler": SAMPLER if engine == "project" else engine}
             if settings["temperature"] > 0
             else {}
         ),
@@ -471,19 +471,19 @@ AUTO_VLLM_MIN_BUDGET = 2048
 
 
 def choose_engine(cfg: Config, choice: str, budget: int) -> tuple[str, VLLMEngine | None]:
-    """("hf" | "vllm", the vLLM engine). auto = vLLM where it is installed, the target is not
+    """("project" | "vllm", the vLLM engine). auto = vLLM where it is installed, the target is not
     decoded in float32 and `budget` (prompts x max_new_tokens) >= AUTO_VLLM_MIN_BUDGET, else the
     project's loop."""
     dtype = dtype_name(cfg.target.dtype, cfg.pipeline.target_devices[0])
-    if choice == "hf" or (
+    if choice == "project" or (
         choice == "auto" and (budget < AUTO_VLLM_MIN_BUDGET or dtype == "float32")
     ):
-        return "hf", None
+        return "project", None
     needed = "generate --generate.engine=vllm" if choice == "vllm" else ""
     eng, why = engine_for_config(cfg, dtype, required=needed)
     if eng is None:
         log.info("generate: vLLM not available (%s); the project's decode loop", why)
-        return "hf", None
+        return "project", None
     eng.engine_args = engine_args(cfg.generate.vllm_args)
     log.info("generate: vLLM (%s) serving %s in %s", eng.python, eng.target, dtype)
     return "vllm", eng

@@ -14,7 +14,7 @@ nor visible context, see TargetStep). CPU only: on a GPU the features of a real 
 fit in host memory for real data, and copying them back would cost more than recomputing.
 
 Captured while generating (`CapturedFeatures`, `pipeline.capture_features`): when the project's
-decode loop writes the training answers (data/generate.py, engine hf), the target computes the
+decode loop writes the training answers (data/generate.py, engine project), the target computes the
 taps of prompt + answer anyway (`decode(..., keep_features=True)`); they are kept, keyed by the
 exact token ids they were computed on, and `FeatureCache.adopt` gives them to the training
 samples whose ids match, so the first epoch runs the target only for the others. A sample
@@ -154,7 +154,7 @@ class FeatureCache:
 
 
 class CapturedFeatures:
-    """Taps the target computed while writing answers (data/generate.py, engine hf): exact token
+    """Taps the target computed while writing answers (data/generate.py, engine project): exact token
     ids (prompt + answer, stop id included) -> features [len(ids), n*H], in the dtype and taps
     of the target that wrote them, up to `budget_bytes` (pipeline.feature_cache_gb). Handed to
     the training run's FeatureCache by `FeatureCache.adopt`, which empties it."""
