@@ -105,6 +105,7 @@ SCRIPTS = [
     "bench_decode.py",
     "bench_memory_plan.py",
     "bench_anchors.py",
+    "bench_read_slots.py",
 ]
 
 

@@ -1,0 +1,153 @@
+"""The demo's drafter step with the last layer on the slots the loss reads, against every slot.
+
+With `objective.loss_slots` = K < block_size - 1 the loss reads slots 0..K of each block only;
+the drafter's last layer then computes those slots' query, attention and MLP, and every slot's
+keys and values (models/drafter.py, DecoderLayer.forward `query_slots`). This bench runs the
+smollm2-cpu preset's drafter step (SmolLM2-135M's shapes: hidden 576, 9 heads, 2 layers, the
+49,152-way LM head; 40 anchors x 16, loss_slots 4; 512-token batches of 2 x 256 tokens, half
+answer) both ways on the same batches and seeds, interleaved so machine drift hits both: the
+objective forward + backward + AdamW step, ms per step both ways, the ratio, and the largest
+difference of loss and gradients (tests/test_drafter.py proves them equal in general). In the
+dtype the preset trains in on this CPU (bf16 autocast where the CPU has native bf16, fp32
+elsewhere), random weights: the step's cost does not depend on them.
+
+Run: .venv/bin/python bench/bench_read_slots.py [--steps 12] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_trainer import bench_harness
+from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.precision import cpu_has_native_bf16, cpu_kind
+from dflash_trainer.train.objective import DFlashObjective
+
+H, V, BS, TAPS, ANCHORS, SLOTS = 576, 49152, 16, 5, 40, 4
+ROWS, SEQ = 2, 256
+
+
+class _EverySlot(DFlashObjective):
+    """The same objective with the last layer computing every slot."""
+
+    @property
+    def read_slots(self) -> int:
+        return 0
+
+
+def _drafter() -> DFlashDrafter:
+    torch.manual_seed(0)
+    return DFlashDrafter(
+        DFlashConfig(
+            hidden_size=H,
+            num_layers=2,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            block_size=BS,
+            target_layer_ids=[1, 8, 14, 20, 27],
+            num_target_layers=30,
+            mask_token_id=0,
+            vocab_size=V,
+            attention="split",
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=12, help="measured steps each way")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    bf16 = cpu_has_native_bf16()
+    heads_dtype = torch.bfloat16 if bf16 else torch.float32
+    embed = torch.randn(V, H).to(heads_dtype)
+    head = torch.nn.Linear(H, V, bias=False).to(heads_dtype).requires_grad_(False)
+    ways = {"read": DFlashObjective, "every": _EverySlot}
+    drafters = {w: _drafter() for w in ways}
+    objs = {w: cls(BS, ANCHORS, mask_token_id=0, loss_slots=SLOTS) for w, cls in ways.items()}
+    opts = {w: torch.optim.AdamW(d.parameters(), lr=1e-4) for w, d in drafters.items()}
+    secs = {w: 0.0 for w in ways}
+    worst_loss = worst_grad = 0.0
+    for i in range(args.steps + 2):  # the first two warm up
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(100, V - 1, (ROWS, SEQ), generator=g)
+        mask = torch.zeros(ROWS, SEQ, dtype=torch.bool)
+        mask[:, SEQ // 2 :] = True
+        feats = torch.randn(ROWS, SEQ, TAPS * H, generator=g)
+        out, grads = {}, {}
+        for w in ways:
+            amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+            t0 = time.perf_counter()
+            with amp:
+                o = objs[w](
+                    drafters[w], embed, head, feats, ids, mask, torch.Generator().manual_seed(i)
+                )
+            o.loss.backward()
+            grads[w] = [p.grad.clone() for p in drafters[w].parameters()]
+            opts[w].step()
+            opts[w].zero_grad(set_to_none=True)
+            if i >= 2:
+                secs[w] += time.perf_counter() - t0
+            out[w] = float(o.loss)
+        worst_loss = max(worst_loss, abs(out["read"] - out["every"]) / abs(out["every"]))
+        worst_grad = max(
+            worst_grad,
+            max(
+                float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                for a, b in zip(grads["read"], grads["every"])
+            ),
+        )
+    ms = {w: 1e3 * s / args.steps for w, s in secs.items()}
+    res = {
+        "bench": "read_slots",
+        "cpu": cpu_kind(),
+        "dtype": "bf16 autocast" if bf16 else "float32",
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "read_ms": ms["read"],
+        "every_ms": ms["every"],
+        "speedup": ms["every"] / ms["read"],
+        "max_loss_rel_diff": worst_loss,
+        "max_grad_rel_diff": worst_grad,
+    }
+    print(
+        f"{cpu_kind()}, {res['dtype']}: drafter step {ms['read']:.0f} ms with the last layer on "
+        f"slots 0..{SLOTS} vs {ms['every']:.0f} ms on every slot: {res['speedup']:.2f}x; "
+        f"largest relative difference: loss {worst_loss:.1e}, gradients {worst_grad:.1e}"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res))
+
+
+# `dflash-trainer bench` (src/dflash_trainer/bench_harness.py) runs this script with these
+# arguments (full run, --bench.quick) and turns its summary into rows with bench_rows.
+BENCH_ARGS = {"full": [], "quick": ["--steps", "4"]}
+
+
+def bench_rows(s: dict) -> list[dict]:
+    """This script's JSON summary as rows of the `dflash-trainer bench` table."""
+    return [
+        bench_harness.row(
+            f"the demo's drafter step ({s['dtype']}, loss_slots {SLOTS} of {BS - 1})",
+            "last layer on the read slots",
+            "on every slot",
+            s["speedup"],
+            note=f"{s['read_ms']:.0f} vs {s['every_ms']:.0f} ms per step; loss and gradients "
+            f"equal (largest relative difference {s['max_loss_rel_diff']:.1e} / "
+            f"{s['max_grad_rel_diff']:.1e})",
+        )
+    ]
+
+
+if __name__ == "__main__":
+    main()
