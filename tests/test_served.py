@@ -66,7 +66,8 @@ def test_generate_engine_choice(tmp_path, monkeypatch):
 
     cfg = Config()
     assert gen.choose_engine(cfg, "project", 10**9) == ("project", None)
-    assert gen.choose_engine(cfg, "auto", gen.AUTO_VLLM_MIN_BUDGET - 1) == ("project", None)  # small job
+    small_job = gen.AUTO_VLLM_MIN_BUDGET - 1
+    assert gen.choose_engine(cfg, "auto", small_job) == ("project", None)
     cfg.target.dtype = "float32"
     assert gen.choose_engine(cfg, "auto", 10**9) == ("project", None)  # float32: the two run alike
     cfg.target.dtype = "bfloat16"
@@ -77,7 +78,8 @@ def test_generate_engine_choice(tmp_path, monkeypatch):
     (tmp_path / "venv" / "bin" / "python").touch()
     (tmp_path / "venv" / ".unavailable").write_text("no wheel for this platform")
     cfg.eval.vllm_python = str(tmp_path / "venv" / "bin" / "python")
-    assert gen.choose_engine(cfg, "auto", 10**6) == ("project", None)  # auto: not installed -> the loop
+    # auto, vLLM not installed: the loop
+    assert gen.choose_engine(cfg, "auto", 10**6) == ("project", None)
     with pytest.raises(UserError, match="no wheel for this platform"):
         gen.choose_engine(cfg, "vllm", 10**6)
 

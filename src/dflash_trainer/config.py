@@ -521,8 +521,8 @@ class PipelineConfig:
     )
     capture_features: bool = _f(
         True,
-        "CPU runs whose data the project's decode loop writes (generate.engine project, e.g. the demo "
-        "where auto is fp32): keep the target's taps computed while generating, within "
+        "CPU runs whose data the project's decode loop writes (generate.engine project, e.g. the "
+        "demo where auto is fp32): keep the target's taps computed while generating, within "
         "feature_cache_gb, so the first epoch runs the target only for samples whose ids differ "
         "from the generated ones and the drafter has the cores from step 1 "
         "(pipeline/feature_cache.py; bench/LOG.md). Unused with KD, hidden_weight or "

@@ -300,8 +300,8 @@ def generate_responses(
     `Rendering()`, chat). `sampling`: how tokens are chosen (None = greedy).
     Batches are left padded; prompts are sorted by length so a batch wastes little padding.
     `progress`: a bar over prompts (observe/progress.py; drawn only when stderr is a terminal).
-    `engine`: "project" = the project's decode loop (decode/loop.py), batched; "vllm" = vLLM's offline
-    engine (`vllm`: a models/vllm_engine.VLLMEngine serving this target), one engine for all
+    `engine`: "project" = the project's decode loop (decode/loop.py), batched; "vllm" = vLLM's
+    offline engine (`vllm`: a models/vllm_engine.VLLMEngine serving this target), one engine for all
     prompts, its records appended every `chunk_prompts` prompts (a kill loses at most one chunk),
     its sampling parameters in each record's provenance.
     Every record's provenance names the engine, the seed and the target's dtype (a sampled

@@ -309,8 +309,8 @@ def synthesize_prompts(cfg: Config, target, out_path, engine_choice: str = "auto
     """Write `cfg.synth.prompts` synthesised prompt records to `out_path` (JSONL; module
     docstring) and return counts: kept, candidates, rejected per reason, rounds, seconds.
 
-    `engine_choice`: project | vllm | auto (data/generate.choose_engine: vLLM where installed and the
-    job pays for its start). Reuses `out_path` when it holds enough prompts made with the same
+    `engine_choice`: project | vllm | auto (data/generate.choose_engine: vLLM where installed and
+    the job pays for its start). Reuses `out_path` when it holds enough prompts made with the same
     settings (synth_provenance)."""
     s, t0 = cfg.synth, time.perf_counter()
     if s.prompts < 1:

@@ -154,8 +154,8 @@ class FeatureCache:
 
 
 class CapturedFeatures:
-    """Taps the target computed while writing answers (data/generate.py, engine project): exact token
-    ids (prompt + answer, stop id included) -> features [len(ids), n*H], in the dtype and taps
+    """Taps the target computed while writing answers (data/generate.py, engine project): exact
+    token ids (prompt + answer, stop id included) -> features [len(ids), n*H], in the dtype and taps
     of the target that wrote them, up to `budget_bytes` (pipeline.feature_cache_gb). Handed to
     the training run's FeatureCache by `FeatureCache.adopt`, which empties it."""
 
