@@ -607,6 +607,12 @@ def _table(rep: Report, r: dict, t_all: float) -> list[tuple]:
     table.append(("skipped (non-finite) optimizer steps, any run: must be 0", int(skipped)))
     table += _capped_rows(r.get("capped"))
     table += _multi_rows(rep, r.get("multi") or {})
+    return table + _closing_rows(rep, r, runs, t_all)
+
+
+def _closing_rows(rep: Report, r: dict, runs: list, t_all: float) -> list[tuple]:
+    """Per-run counters, the allocator's totals, failed and skipped phases, the verdict."""
+    table = []
     for name, row in runs:
         table.append(
             (
