@@ -83,7 +83,9 @@ def test_slow_drafter_borrows_without_ever_oversubscribing():
 
 
 def test_slow_target_is_never_parked_and_nothing_is_borrowed():
-    share, most, got = _simulate(target_s=0.012, drafter_s=0.002)
+    # 25x apart: a drafter step delayed by the OS (a loaded machine) must still not let the
+    # target fill the queue; at 6x (12 vs 2 ms) one such delay parked it once under load
+    share, most, got = _simulate(target_s=0.05, drafter_s=0.002)
     assert got == list(range(24))
     assert most <= 2
     assert share.borrowed_steps == 0, share.summary()
