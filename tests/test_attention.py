@@ -49,12 +49,20 @@ def test_split_matches_dense_values_and_grads(monkeypatch, chunk_elems):
     leaves2 = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = A.dense_attention(*leaves, anchors, valid, BS)
     out = A.split_attention(*leaves2, anchors, valid, BS)
+    _assert_same_values_and_grads(out, ref, leaves2, leaves)
+
+
+def _assert_same_values_and_grads(out, ref, out_leaves, ref_leaves):
+    """out == ref, and the gradients of one random projection of each w.r.t. its leaves agree;
+    returns out's gradients."""
+    assert out.shape == ref.shape
     torch.testing.assert_close(out, ref)
     w = torch.randn_like(ref)
-    g_ref = torch.autograd.grad((ref * w).sum(), leaves)
-    g_out = torch.autograd.grad((out * w).sum(), leaves2)
+    g_ref = torch.autograd.grad((ref * w).sum(), ref_leaves)
+    g_out = torch.autograd.grad((out * w).sum(), out_leaves)
     for a, b in zip(g_out, g_ref):
         torch.testing.assert_close(a, b)
+    return g_out
 
 
 def _leading(x, qs):
@@ -76,13 +84,7 @@ def test_leading_query_slots_equal_the_full_attention_sliced(monkeypatch, impl, 
     leaves2 = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = _leading(A.dense_attention(*leaves, anchors, valid, BS), qs)
     out = A.block_attention(_leading(leaves2[0], qs), *leaves2[1:], anchors, valid, BS, impl)
-    assert out.shape == ref.shape
-    torch.testing.assert_close(out, ref)
-    w = torch.randn_like(ref)
-    g_ref = torch.autograd.grad((ref * w).sum(), leaves)
-    g_out = torch.autograd.grad((out * w).sum(), leaves2)
-    for a, b in zip(g_out, g_ref):
-        torch.testing.assert_close(a, b)
+    g_out = _assert_same_values_and_grads(out, ref, leaves2, leaves)
     assert g_out[0].abs().sum() > 0 and g_out[1].abs().sum() > 0
 
 
