@@ -96,7 +96,7 @@ def main() -> None:
             opts[w].zero_grad(set_to_none=True)
             if i >= 2:
                 secs[w] += time.perf_counter() - t0
-            out[w] = float(o.loss)
+            out[w] = float(o.loss.detach())
         worst_loss = max(worst_loss, abs(out["read"] - out["every"]) / abs(out["every"]))
         worst_grad = max(
             worst_grad,
