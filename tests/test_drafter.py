@@ -122,6 +122,18 @@ def test_out_slots_keeps_every_slot_where_the_variant_needs_whole_blocks():
     m = make(variant="dflash2")
     emb, feats, anchors, valid = _batch()
     assert m(emb, feats, anchors, valid, out_slots=2).shape == emb.shape
+    assert m.last_layer_slots(2, None, "cpu") == BS
+
+
+def test_last_layer_slots_is_what_forward_computes():
+    """The count the FLOP model reads is the shape forward returns, for every out_slots."""
+    m = make()
+    emb, feats, anchors, valid = _batch()
+    N = anchors.shape[1]
+    for out_slots in range(0, BS + 2):
+        q = m.last_layer_slots(out_slots, None, "cpu")
+        assert q == (out_slots if 0 < out_slots < BS else BS)
+        assert m(emb, feats, anchors, valid, out_slots=out_slots).shape == (2, N * q, H)
 
 
 def test_block_isolation_from_other_blocks_and_future_context():

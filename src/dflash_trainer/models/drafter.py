@@ -272,6 +272,11 @@ class DecoderLayer(nn.Module):
             self.add_module(name, module)
             self._wrap_names[sublayer] = name
 
+    @property
+    def whole_blocks(self) -> bool:
+        """The variant's wraps see whole blocks: every slot must come out (no query_slots)."""
+        return bool(self._wrap_names)
+
     def _wrap(self, sublayer: str) -> variants.base.SublayerWrap | None:
         name = self._wrap_names.get(sublayer)
         return None if name is None else cast("variants.base.SublayerWrap", getattr(self, name))
@@ -293,7 +298,7 @@ class DecoderLayer(nn.Module):
             h, state = wrap.prepare(h)
         k_blk, v_blk = a.project_kv(h, *rope)
         if query_slots:
-            if self._wrap_names:
+            if self.whole_blocks:
                 raise ValueError("query_slots: the variant's wraps need every slot of a block")
             x, h = (
                 leading_slots(x, self.block_size, query_slots),
@@ -424,20 +429,13 @@ class DFlashDrafter(nn.Module):
         -> final-normed hidden [B,N*q,H]. Block j slot k sits at position anchors[:,j]+k and sees
         context positions < anchors[:,j] and its own block (models/attention.py).
 
-        q = bs, or `out_slots` (0 < out_slots < bs) where the caller reads only the first
-        out_slots slots of every block and the last layer can skip the others' queries and MLP
-        (DecoderLayer.forward; not with the variant's wraps or flex attention, where q = bs:
-        the caller reads q from the shape)."""
+        q = last_layer_slots(out_slots, attention, device): the caller reads q from the shape."""
         c = self.config
         B, Q, _ = block_embeds.shape
         S, bs = features.shape[1], c.block_size
         impl = attention or c.attention
         layers = self.decoder_layers
-        prune = (
-            0 < out_slots < bs
-            and not layers[-1]._wrap_names
-            and resolve_impl(impl, block_embeds.device) != "flex"
-        )
+        last_slots = self.last_layer_slots(out_slots, impl, block_embeds.device)
         ctx = self.fuse(features)
         x = (
             block_embeds
@@ -461,8 +459,21 @@ class DFlashDrafter(nn.Module):
                 return block_attention(q, k, v, anchors, block_valid, bs, impl, mask_cache=masks)
 
             last = i == len(layers) - 1
-            x = layer(x, rope_q, attend, out_slots if prune and last else 0)
+            x = layer(x, rope_q, attend, last_slots if last and last_slots < bs else 0)
         return self.norm(x)
+
+    def last_layer_slots(
+        self, out_slots: int, attention: str | None, device: torch.device | str
+    ) -> int:
+        """Slots per block the last layer computes (queries, attention output, MLP) when the
+        caller reads only the first `out_slots` (0 = all): out_slots where that saves work,
+        else block_size (the variant's wraps and flex attention need whole blocks). What
+        `forward` does and the FLOP model counts."""
+        bs = self.config.block_size
+        if not 0 < out_slots < bs or self.decoder_layers[-1].whole_blocks:
+            return bs
+        flex = resolve_impl(attention or self.config.attention, device) == "flex"
+        return bs if flex else out_slots
 
     # -------------------------------------------------------------------------------- inference
     @property

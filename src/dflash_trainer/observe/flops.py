@@ -120,7 +120,7 @@ class FlopsModel:
         `target_layers_run` = last tapped layer + 1 (the target forward stops there).
         `loss_slots`: slots per block that go through the LM head (0 = every slot);
         `read_slots`: slots per block whose last-layer query, attention and MLP are computed
-        (0 = every slot; DFlashObjective.read_slots). The per-query figures are averages over a
+        (0 = every slot; DFlashDrafter.last_layer_slots). The per-query figures are averages over a
         block's slots, so MFU counts what the step computes.
         """
         t_hidden, t_attn, _, _ = layer_shape(target_config)

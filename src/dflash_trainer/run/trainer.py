@@ -419,7 +419,9 @@ class Trainer:
                 parts.drafter.config,
                 seq_len=float(parts.train_set.lengths.mean()),
                 loss_slots=parts.objective.loss_slots,
-                read_slots=parts.objective.read_slots,
+                read_slots=parts.drafter.last_layer_slots(
+                    parts.objective.read_slots, parts.objective.attention, parts.drafter_device
+                ),
             ),
             rank=self.rank,
         )
