@@ -73,6 +73,14 @@ def top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def sampled_logits(sampling: SamplingConfig, logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> the logits a temperature > 0 sample is drawn from, in float32: divided
+    by the temperature, -inf outside the top-k, then outside the top-p tokens. Their softmax is
+    the target's sampled distribution (what an engine's rejection rule accepts drafts by)."""
+    scaled = top_k_logits(logits.float() / sampling.temperature, sampling.top_k)
+    return top_p_logits(scaled, sampling.top_p)
+
+
 def choose(
     sampling: SamplingConfig | None,
     logits: torch.Tensor,
@@ -84,8 +92,7 @@ def choose(
     per row or one for all."""
     if sampling is None or sampling.greedy:
         return logits.argmax(-1)
-    scaled = top_k_logits(logits.float() / sampling.temperature, sampling.top_k)
-    scaled = top_p_logits(scaled, sampling.top_p)
+    scaled = sampled_logits(sampling, logits)
     seeds = torch.as_tensor(seeds, dtype=torch.int64, device=logits.device)
     noise = position_noise(seeds, positions.to(logits.device), logits.shape[-1])
     return (scaled + noise).argmax(-1)  # Gumbel-max: an exact sample from softmax(scaled)

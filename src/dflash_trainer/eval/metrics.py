@@ -143,20 +143,25 @@ def context_bucket(n: int) -> str:
 
 
 def tau_by_context(
-    per_response: Sequence[Sequence[int]], prompt_lens: Sequence[int]
+    per_response: Sequence[Sequence[float]],
+    prompt_lens: Sequence[int],
+    advances: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, tuple[float, int]]:
     """Per context bucket: (mean tokens committed per cycle, cycles), over the cycles whose
     block starts after a context of that length (the prompt and every token committed before
     the cycle). Cycle-weighted: a long response's late cycles are what fall in the long buckets.
-    Buckets without a cycle are left out."""
+    Buckets without a cycle are left out. `advances`: per response, per cycle, the tokens the
+    cycle moves the context by where that is not its value (tau_sim at temperature > 0: the
+    value is an expectation, the cycles advance by the greedy replay's tokens)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for lens, p in zip(per_response, prompt_lens):
+    steps = per_response if advances is None else advances
+    for lens, moves, p in zip(per_response, steps, prompt_lens):
         ctx = int(p)
-        for n in lens:
+        for n, move in zip(lens, moves, strict=True):
             b = context_bucket(ctx)
             sums[b], counts[b] = sums.get(b, 0.0) + n, counts.get(b, 0) + 1
-            ctx += n
+            ctx += int(move)
     order = [context_bucket(0)] + [context_bucket(e) for e in CONTEXT_EDGES]
     return {b: (sums[b] / counts[b], counts[b]) for b in order if b in counts}
 

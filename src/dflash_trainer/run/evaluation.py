@@ -133,7 +133,9 @@ class PeriodicEval:
         if self._target is None:
             target = target_in(self.target, self.decode_dtype)
             self._sim = TauSim(
-                target, [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report]
+                target,
+                [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report],
+                self.cfg.eval.sampling,
             )
             self._target = target
         return self._target
@@ -171,6 +173,7 @@ class PeriodicEval:
             baseline=final and e.at_end_baseline,
             progress=progress,
             packed=self.cfg.target.packed_linear,
+            options=self._sampled(),
         )
         s = loop.decode([x.prompt for x in decoded], e.max_new_tokens, self.block_size)
         run = EvalRun(groups=_by_source(decoded, s), overall=s)
@@ -179,6 +182,11 @@ class PeriodicEval:
         if e.tau_sim and self._sim is not None:
             self._simulate(run, drafter, examples, decoded, progress)
         return run
+
+    def _sampled(self) -> dict[str, Any]:
+        """The project loop's eval.sampling and eval.seed: measured tau and tau_sim (which reads
+        the same eval.sampling) follow one rule, the one the `eval` command decodes by."""
+        return {"sampling": self.cfg.eval.sampling, "seed": self.cfg.eval.seed}
 
     def _compare(self, run: EvalRun, drafter: Any, export_dir: Path, progress: bool) -> None:
         """The end of the run: eval.compare's engines on every group, and the project loop with
@@ -194,7 +202,7 @@ class PeriodicEval:
                 drafter,
                 progress=progress,
                 packed=self.cfg.target.packed_linear,
-                options={"verify": "adaptive"},
+                options={"verify": "adaptive", **self._sampled()},
                 name="adaptive",
             )
             run.compare([adaptive], e.max_new_tokens, self.block_size, e.at_end_adaptive)
@@ -214,6 +222,7 @@ class PeriodicEval:
         ids = [x.id for x in examples]
         sim = self._sim.run(drafter, e.max_new_tokens, self.block_size, ids, progress)
         lens = dict(zip(sim.keys, sim.acceptance_lengths))
+        advances = dict(zip(sim.keys, sim.committed))  # where each cycle starts (greedy replay)
         replayed = defaultdict(list)
         for x in examples:
             replayed[x.source].append(lens[x.id])
@@ -222,7 +231,9 @@ class PeriodicEval:
         run.sim_gap = mean_tau([lens[x.id] for x in decoded]) - run.overall.tau
         run.sim_prompts = len(examples)
         run.sim_ctx = tau_by_context(
-            [lens[x.id] for x in examples], [len(x.prompt) for x in examples]
+            [lens[x.id] for x in examples],
+            [len(x.prompt) for x in examples],
+            [advances[x.id] for x in examples],
         )
 
     def _record(
