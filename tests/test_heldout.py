@@ -11,12 +11,17 @@ import pytest
 import torch
 
 from dflash_trainer.config_io import load_config
-from dflash_trainer.data.chat import Rendering, TokenizedDataset, build_dataset, render_with_spans
+from dflash_trainer.data.chat import (
+    Rendering,
+    TokenizedDataset,
+    build_dataset,
+    prompt_hash,
+    render_with_spans,
+)
 from dflash_trainer.data.prepare import (
     REPORT,
     VALIDATION,
     prepare_data,
-    prompt_hash,
     split_dataset,
 )
 from dflash_trainer.data.sources import load_sources
@@ -368,9 +373,11 @@ def test_truncated_answers_end_without_end_of_turn(tmp_path, chatml_tokenizer):
     assert _tokens(tok, text)[-1] != eot
 
 
-def test_run_conversations_decodes_in_the_given_dtype():
-    """The demo's helper: a bf16 target and drafter decode on float32 copies when asked."""
+def test_conversations_decode_in_eval_dtype_on_copies():
+    """A bf16 target and drafter decode on float32 copies (TargetModel.cast, frozen_in: what the
+    run's evaluation does in eval.dtype); the originals stay bf16."""
     from dflash_trainer.models.target import TargetModel
+    from dflash_trainer.precision import frozen_in
     from test_specdecode import FakeTokenizer, _real_drafter
     from test_specdecode import tiny_target as hf_target
 
@@ -378,7 +385,8 @@ def test_run_conversations_decodes_in_the_given_dtype():
     target = TargetModel.from_hf(model, FakeTokenizer(), [0, 2])
     drafter = _real_drafter(model, block_size=4).to(torch.bfloat16)
     convs = [("a", [{"role": "user", "content": "hi"}])]
-    s = ev.run_conversations(target, drafter, convs, 6, 4, None, Rendering(), dtype=torch.float32)
+    t32, d32 = target.cast(torch.float32), frozen_in(drafter, torch.float32)
+    s = ev.run_conversations(t32, d32, convs, 6, 4, None, Rendering())
     assert s.decode_dtype == "float32" and s.lossless is True
     assert next(drafter.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.bfloat16

@@ -85,15 +85,15 @@ def three_prompts(cfg, target, monkeypatch, tmp_path) -> tuple[list, list, list]
         return [([5], True) for _ in rows]
 
     monkeypatch.setattr(gen, "decode_batch", decode)
-    monkeypatch.setattr(TargetModel, "load", classmethod(lambda cls, c, d: target))
+    monkeypatch.setattr(TargetModel, "load", classmethod(lambda cls, c, d, *_: target))
     assert generate_command.run(cfg, generate_args(cfg, src, tmp_path / "gen.jsonl")) == 0
 
-    def evaluate(target, drafter, prompts, *a, **k):  # evaluation: what is decoded
+    def summary(self, prompts, *a, **k):  # evaluation: what is decoded
         seen.extend(prompts)
         r = sd.GenResult([5], [1], [0], [4])
         return SimpleNamespace(spec_results=[r], ar_results=[r], tie_gaps=[])
 
-    monkeypatch.setattr(ev, "evaluate", evaluate)
+    monkeypatch.setattr(ev.PromptDecoder, "summary", summary)
     ev.evaluate_datasets(cfg, target, None, 4)
     generated, evaluated = seen
     return trained, list(generated), list(evaluated)
@@ -245,7 +245,7 @@ def test_a_tokenizer_without_template_names_both_ways_forward(tmp_path, monkeypa
         build_dataset(DataConfig(), tok, convs, cache_dir=tmp_path)
     # generation, where a default (chat) run meets the template-less target first
     monkeypatch.setattr(
-        TargetModel, "load", classmethod(lambda cls, c, d: tiny_target(tokenizer=tok))
+        TargetModel, "load", classmethod(lambda cls, c, d, *_: tiny_target(tokenizer=tok))
     )
     cfg = config(tmp_path)
     with pytest.raises(UserError, match=both):
@@ -269,7 +269,7 @@ def greedy_continuation(target, ids: list[int], max_new: int) -> list[int]:
 def test_base_model_without_template_generates_trains_and_evaluates(tmp_path, monkeypatch):
     tok = base_tokenizer()
     target = tiny_target(tokenizer=tok)
-    monkeypatch.setattr(TargetModel, "load", classmethod(lambda cls, c, d: target))
+    monkeypatch.setattr(TargetModel, "load", classmethod(lambda cls, c, d, *_: target))
     prompts = write_jsonl(
         tmp_path / "prompts.jsonl",
         [{"id": f"p{i}", "prompt": f"Q{i}: {i} + {i} ="} for i in range(12)],

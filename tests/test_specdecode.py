@@ -694,7 +694,7 @@ def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
     drafter = _real_drafter(model, block_size=8)
     export.export_drafter(drafter, tmp_path / "run" / "export")
     tm = target_mod.TargetModel.from_hf(model, FakeTokenizer(), list(LAYER_IDS))
-    monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d: tm))
+    monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d, *_: tm))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         json.dumps(
@@ -741,7 +741,7 @@ def test_eval_command_end_to_end(tmp_path, monkeypatch, capsys):
 
     tm.close()  # the same model, loaded with other taps
     other = target_mod.TargetModel.from_hf(model, FakeTokenizer(), [1, 3])
-    monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d: other))
+    monkeypatch.setattr(target_mod.TargetModel, "load", classmethod(lambda cls, c, d, *_: other))
     with pytest.raises(UserError, match="target layers"):
         eval_command.run(cfg, args)
 

@@ -9,10 +9,12 @@ picks bf16 on those devices and float32 on the others.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -156,6 +158,27 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 def use_autocast(precision: str, device: str | torch.device) -> bool:
     """pipeline.precision: bf16 autocast for the drafter? auto = where bf16 is native."""
     return precision == "bfloat16" or (precision == "auto" and native_bf16(device))
+
+
+def eval_dtype(name: str, device: str | torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """`eval.dtype` resolved: auto = float32 on CPU (exact: the batched verify pass and one-token
+    steps round alike, so speculative decoding reproduces plain greedy token for token; and on
+    CPUs without native bf16 also faster), `model_dtype` elsewhere."""
+    if name != "auto":
+        return DTYPES[name]
+    return torch.float32 if torch.device(device).type == "cpu" else model_dtype
+
+
+def frozen_in(module: Any, dtype: torch.dtype) -> Any:
+    """`module` (a DDP wrapper removed) where its weights are in `dtype`, else a cast copy
+    without gradients: what evaluation decodes with; the training drafter is never cast in
+    place."""
+    module = getattr(module, "module", module)
+    if module is None or module_dtype(module) == dtype:
+        return module
+    out = copy.deepcopy(module).to(dtype)
+    out.requires_grad_(False)
+    return out
 
 
 def module_dtype(module: object, default: torch.dtype = torch.float32) -> torch.dtype:

@@ -16,15 +16,13 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.config_io import load_config
-from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
-from dflash_trainer.eval.engines import EvalRun, compared_engines, comparison_engine
+from dflash_trainer.eval.engines import EvalRun, eval_command_engines
 from dflash_trainer.eval.evaluation import evaluate_datasets, load_eval_pair
-from dflash_trainer.eval.metrics import format_table, summarize
-from dflash_trainer.eval.parity import parity_error, served_problems
+from dflash_trainer.eval.metrics import format_table
+from dflash_trainer.eval.parity import parity_error, report_compared
 from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.export import read_training
-from dflash_trainer.models.vllm_engine import find_vllm_python
-from dflash_trainer.observe.sinks import build_sinks
+from dflash_trainer.observe.sinks import append_to_run
 from dflash_trainer.precision import dtype_label
 
 log = logging.getLogger(__name__)
@@ -63,31 +61,14 @@ def run(cfg: Config, args: Any) -> int:
     cfg = config_for(cfg, args, drafter_dir)
     output = Path(getattr(args, "output", None) or RunLayout.of(cfg.run_dir).eval_summary)
     target, drafter, block_size = load_eval_pair(cfg, drafter_dir, device)
-    dtype = eval_dtype(cfg.eval.dtype, device, target.dtype)  # cast copies where it differs
-    names = engines_to_compare(cfg)
-    if "vllm" in names and target.dtype != dtype:
-        log.warning(
-            "eval: the target decodes in %s from weights loaded in %s (target.dtype=%s); vLLM "
-            "loads the model directory in %s, so outputs can differ for that reason alone: pass "
-            "--target.dtype=%s for a token-exact served comparison",
-            dtype_label(dtype),
-            dtype_label(target.dtype),
-            cfg.target.dtype,
-            dtype_label(dtype),
-            dtype_label(dtype),
-        )
-    target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
-    results = evaluate_datasets(cfg, target, drafter, block_size)
-    print(format_table(results))
-    spec = [r for s in results.values() for r in s.spec_results]
-    ar = [r for s in results.values() for r in s.ar_results]
-    overall = summarize(spec, ar or None, block_size)
-    overall.prompts = [p for s in results.values() for p in s.prompts]  # tau per context bucket
-    run_ = EvalRun(groups=results, overall=overall)
-    engines = [comparison_engine(n, cfg, target, drafter_dir, dtype_label(dtype)) for n in names]
-    run_.compare(engines, cfg.eval.max_new_tokens, block_size)
-    problems = _report_compared(run_, cfg, target, drafter_dir)
-    rec = {**run_.events(), "eval/set": "eval", "eval/dtype": dtype_label(dtype)}
+    run_ = EvalRun.of(evaluate_datasets(cfg, target, drafter, block_size))
+    print(format_table(run_.groups))
+    run_.compare(
+        eval_command_engines(cfg, target, drafter_dir), cfg.eval.max_new_tokens, block_size
+    )
+    problems = report_compared(run_, target, drafter_dir, cfg.eval.parity_tolerance)
+    dtype = dtype_label(target.dtype)
+    rec = {**run_.events(), "eval/set": "eval", "eval/dtype": dtype}
     payload: dict[str, Any] = {
         "drafter": str(drafter_dir),
         "target": getattr(target, "name", cfg.target.model),
@@ -96,10 +77,10 @@ def run(cfg: Config, args: Any) -> int:
         **cfg.eval.sampling.record(),
         "seed": cfg.eval.seed,
         "device": str(device),
-        "dtype": dtype_label(dtype),
-        "datasets": {k: v.to_dict() for k, v in results.items()},
+        "dtype": dtype,
+        "datasets": {k: v.to_dict() for k, v in run_.groups.items()},
         "events": rec,
-        "metrics": _log_events(cfg, drafter_dir, rec),
+        "metrics": append_to_run(cfg.metrics, cfg.run_dir, rec, _export_step(drafter_dir)),
     }
     for name, by_group in run_.compared.items():
         for k, s in by_group.items():
@@ -116,49 +97,7 @@ def run(cfg: Config, args: Any) -> int:
     return 0
 
 
-def engines_to_compare(cfg: Config) -> list[str]:
-    """eval.compare and eval.engine=vllm's engines; vLLM too where the parity gate asks for it
-    (eval.parity=on, or auto with vLLM installed)."""
-    names = compared_engines(cfg)
-    p = cfg.eval.parity
-    if "vllm" not in names and (
-        p == "on" or (p == "auto" and find_vllm_python(cfg.eval.vllm_python))
-    ):
-        names.append("vllm")
-    return names
-
-
-def _report_compared(run_: EvalRun, cfg: Config, target: Any, drafter_dir: Path) -> list[str]:
-    """One line per dataset and compared engine; the parity problems of vLLM's decoding
-    (eval/parity.py: the check on the comparison this evaluation made)."""
-    problems = served_problems(
-        run_, target, drafter_dir, cfg.target.model, cfg.eval.parity_tolerance
-    )
-    for name, by_group in run_.compared.items():
-        for k, s in by_group.items():
-            line = f"{k}: tau ours {run_.groups[k].tau:.3f}, {name} {s.tau:.3f}"
-            if name == "vllm":  # the served engine decodes tokens: compared with ours
-                d = run_.details[name][k]
-                found = d["parity_problems"]
-                line += f"; identical to ours on {d['identical_to_ours']} of {s.num_responses}, "
-                line += s.lossless_line() + ("; PARITY: " + " | ".join(found) if found else "")
-            print(line, flush=True)
-    return problems
-
-
-def _log_events(cfg: Config, drafter_dir: Path, rec: dict[str, Any]) -> str:
-    """The eval/* record into the run's sinks (metrics.jsonl, TensorBoard, W&B as configured)
-    when the export belongs to a run directory with metrics; else only into the results file.
-    Returns where it went."""
-    run_dir = Path(cfg.run_dir)
-    if not RunLayout(run_dir).metrics.is_file():
-        return "eval.json only (no RUN_DIR/metrics.jsonl)"
+def _export_step(drafter_dir: Path) -> int:
+    """The training step the export in `drafter_dir` was written at (0 when it records none)."""
     training = read_training(drafter_dir) if drafter_dir.is_dir() else None
-    step = int((training or {}).get("step") or 0)
-    cfg.metrics.console = False  # printed above already
-    sinks = build_sinks(cfg.metrics, run_dir)
-    try:
-        sinks.event(rec, step)
-    finally:
-        sinks.close()
-    return str(RunLayout(run_dir).metrics)
+    return int((training or {}).get("step") or 0)

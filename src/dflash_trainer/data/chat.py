@@ -215,13 +215,20 @@ def _render(tokenizer, messages, gen: bool, kwargs: dict) -> str:
 def prompt_messages(messages: list[dict]) -> list[dict]:
     """The prompt side of a conversation: its system/user turns before the first assistant turn
     (later turns depended on the old response; `generate` regenerates from this, and a
-    conversation's identity (data/prepare.py prompt_hash) is its prompt)."""
+    conversation's identity (prompt_hash) is its prompt)."""
     out = []
     for m in messages:
         if m.get("role") == "assistant":
             break
         out.append({"role": m["role"], "content": m["content"]})
     return out
+
+
+def prompt_hash(messages: list[dict]) -> str:
+    """A conversation's identity by content: sha256 of its prompt turns (ids differ between
+    files; the text does not)."""
+    blob = json.dumps(prompt_messages(messages), ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def render_text(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -17,7 +17,6 @@ rest is reported and never selects anything. Files written beside the run:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -32,6 +31,7 @@ from dflash_trainer.config import Config, EvalConfig
 from dflash_trainer.data.chat import (
     Rendering,
     build_dataset,
+    prompt_hash,
     prompt_messages,
     render_text,
     tokenized_dir,
@@ -77,13 +77,6 @@ def source_label(conv_id: str, source: str, written: dict[str, str]) -> str:
             if conv_id.startswith(prefix):
                 return name
     return kind if kind == "synth" else Path(source).name
-
-
-def prompt_hash(messages: list[dict]) -> str:
-    """A conversation's identity by content: sha256 of its prompt turns (ids differ between
-    files; the text does not)."""
-    blob = json.dumps(prompt_messages(messages), ensure_ascii=False, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def _stratum_rng(seed: int, salt: int, stratum: str) -> np.random.Generator:

@@ -11,6 +11,7 @@ a `DecodeEngine`; another engine plugs in as one more implementation and one mor
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +20,13 @@ from typing import Any, Protocol
 from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
 from dflash_trainer.eval.evaluation import evaluate
-from dflash_trainer.eval.metrics import EvalSummary, tau_by_context
+from dflash_trainer.eval.metrics import EvalSummary, summarize, tau_by_context
 from dflash_trainer.eval.reference import ReferenceLoop
 from dflash_trainer.eval.served import ServedLoop
 from dflash_trainer.models.vllm_engine import engine_for_config
+from dflash_trainer.precision import dtype_label
+
+log = logging.getLogger(__name__)
 
 # the engines an evaluation can compare against its own decoding (eval.compare)
 ENGINES = ("project", "reference", "vllm")
@@ -80,11 +84,33 @@ class ProjectLoop:
         return {}
 
 
-def comparison_engine(
-    name: str, cfg: Config, target: Any, export_dir: str | Path | None, dtype: str
-) -> DecodeEngine:
-    """The engine `name` (one of eval.compare) decoding the export in `export_dir` beside
-    `target` (a TargetModel in the evaluation's dtype, `dtype` its label)."""
+def comparison_engines(
+    cfg: Config, target: Any, export_dir: str | Path | None, names: Sequence[str]
+) -> list[DecodeEngine]:
+    """The engines `names` (of eval.compare) decoding the export in `export_dir` beside `target`
+    (a TargetModel in the evaluation's dtype)."""
+    return [_comparison_engine(n, cfg, target, export_dir) for n in names]
+
+
+def eval_command_engines(cfg: Config, target: Any, export_dir: Path) -> list[DecodeEngine]:
+    """The `eval` command's comparisons: eval.compare, with eval.engine=vllm's (reference loop
+    and vLLM; at temperature > 0 vLLM only: the reference loop is greedy) added, and vLLM where
+    the parity gate asks for it (eval.parity=on, or auto where vLLM can run)."""
+    e = cfg.eval
+    names = list(e.compare)
+    if e.engine == "vllm":
+        adds = ("reference", "vllm") if e.sampling.greedy else ("vllm",)
+        names += [n for n in adds if n not in names]
+    gate = "vllm" not in names and e.parity != "off"
+    wanted = [(n, True) for n in names] + ([("vllm", e.parity == "on")] if gate else [])
+    engines = [_comparison_engine(n, cfg, target, export_dir, need) for n, need in wanted]
+    return [x for x in engines if x is not None]
+
+
+def _comparison_engine(
+    name: str, cfg: Config, target: Any, export_dir: str | Path | None, required: bool = True
+) -> Any:
+    """The engine `name`; where it is vLLM and vLLM cannot run, an error (`required`) or None."""
     if name not in ENGINES or name == "project":
         raise UserError(
             f"eval.compare: '{name}' is no engine to compare with; use any of reference, vllm."
@@ -99,22 +125,26 @@ def comparison_engine(
                 "compare it at --eval.sampling.temperature=0 (vLLM compares at any temperature)."
             )
         return ReferenceLoop(export_dir, target.model, stop, progress=cfg.metrics.console)
-    engine, why = engine_for_config(cfg, dtype, required="vLLM is needed here but cannot run")
+    dtype, loaded = dtype_label(target.dtype), dtype_label(target.loaded_dtype)
+    need = "vLLM is needed here but cannot run" if required else ""
+    engine, why = engine_for_config(cfg, dtype, required=need)
     if engine is None:
-        raise UserError(f"eval.compare=vllm: {why}")
+        log.info("eval: vLLM does not serve the export beside this evaluation: %s", why)
+        return None
+    if loaded != dtype:
+        log.warning(
+            "eval: the target decodes in %s from weights loaded in %s (target.dtype=%s); vLLM "
+            "loads the model directory in %s, so outputs can differ for that reason alone: pass "
+            "--target.dtype=%s for a token-exact served comparison",
+            dtype,
+            loaded,
+            cfg.target.dtype,
+            dtype,
+            dtype,
+        )
     # at temperature > 0 the acceptance compares (the same rule: tests/test_engine_rule.py),
     # the sampled tokens do not
     return ServedLoop(engine, export_dir, stop, sampling=cfg.eval.sampling)
-
-
-def compared_engines(cfg: Config) -> list[str]:
-    """eval.compare, with eval.engine=vllm's comparisons (reference loop and vLLM; at
-    temperature > 0 vLLM only: the reference loop is greedy) added."""
-    names = list(cfg.eval.compare)
-    if cfg.eval.engine == "vllm":
-        adds = ("reference", "vllm") if cfg.eval.sampling.greedy else ("vllm",)
-        names += [n for n in adds if n not in names]
-    return names
 
 
 @dataclass
@@ -131,6 +161,17 @@ class EvalRun:
     sim_ctx: dict[str, tuple[float, int]] = field(default_factory=dict)  # tau_sim per context
     compared: dict[str, dict[str, EvalSummary]] = field(default_factory=dict)  # engine -> group
     details: dict[str, dict[str, dict]] = field(default_factory=dict)  # engine -> group -> own
+
+    @classmethod
+    def of(cls, groups: dict[str, EvalSummary]) -> EvalRun:
+        """The run of `groups` decoded apart (the `eval` command's datasets), with their
+        responses together as the overall summary."""
+        spec = [r for s in groups.values() for r in s.spec_results]
+        ar = [r for s in groups.values() for r in s.ar_results]
+        block = next(iter(groups.values())).block_size if groups else 1
+        overall = summarize(spec, ar or None, block)
+        overall.prompts = [p for s in groups.values() for p in s.prompts]
+        return cls(groups=groups, overall=overall)
 
     def compare(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,14 +19,13 @@ from dflash_trainer.data.chat import Rendering
 from dflash_trainer.decode.draft import Drafter
 from dflash_trainer.decode.loop import GenResult, decode
 from dflash_trainer.errors import UserError
-from dflash_trainer.eval.dtype import drafter_in, target_in
 from dflash_trainer.eval.metrics import EvalSummary, summarize
-from dflash_trainer.eval.prompts import load_prompt_set, split_by_training, training_ids
+from dflash_trainer.eval.prompts import prompt_groups
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import showing_progress
-from dflash_trainer.precision import dtype_label, module_dtype
+from dflash_trainer.precision import dtype_label, eval_dtype, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -88,50 +88,87 @@ def evaluate(
     (models/packed_linear.py; target.packed_linear), for the spec and the AR runs alike.
     """
     drafter = _unwrap(drafter)
-    device = _target_device(target)
     stop = list(target.eos_token_ids if stop_ids is None else stop_ids)
-    sampled = sampling is not None and not sampling.greedy
+    one = PromptDecoder(target, drafter, block_size, sampling, stop, verify)
+    with _decoding(target, drafter, packed, len(prompts), "eval", "prompt", progress) as bar:
+        return one.summary(prompts, max_new_tokens, seed, baseline, warmup, bar)
 
-    def run(ids: torch.Tensor, n: int, seed: int, spec: bool) -> GenResult:
-        """One prompt decoded: with the drafter (`spec`) or plainly (block 1, no drafter)."""
-        return decode(
-            target,
-            ids.tolist(),
-            n,
-            sampling,
-            seeds=[_sampling_seed(seed) if sampled else 0],
-            stop_ids=stop,
-            drafter=drafter if spec else None,
-            block_size=block_size if spec else 1,
-            verify=verify if spec else "full",
-        )[0]
 
-    spec, ar = [], []
+@contextmanager
+def _decoding(
+    target: Any, drafter: Any, packed: bool, total: int, desc: str, unit: str, progress: bool
+):
+    """Target and drafter in eval mode with prepacked linears (restored after), and a progress
+    bar over `total` `unit`s named `desc`."""
     with (
         _eval_mode(target.model, drafter),
         packed_linears(
             target.model, target.lm_head, cast(nn.Module | None, drafter), enabled=packed
         ),
-        showing_progress(len(prompts), desc="eval", unit="prompt", enabled=progress) as bar,
+        showing_progress(total, desc=desc, unit=unit, enabled=progress) as bar,
     ):
-        if warmup and prompts:  # first calls pay one-off costs (allocator, kernels); keep them out
+        yield bar
+
+
+@dataclass
+class PromptDecoder:
+    """Prompts decoded one at a time with the drafter (spec) and plainly (block 1, no drafter,
+    the baseline); the two runs of a prompt share its sampling seed."""
+
+    target: Any
+    drafter: Drafter | None
+    block_size: int
+    sampling: SamplingConfig | None
+    stop: list[int]
+    verify: str
+
+    def run(self, ids: torch.Tensor, n: int, seed: int, spec: bool) -> GenResult:
+        sampled = self.sampling is not None and not self.sampling.greedy
+        return decode(
+            self.target,
+            ids.tolist(),
+            n,
+            self.sampling,
+            seeds=[_sampling_seed(seed) if sampled else 0],
+            stop_ids=self.stop,
+            drafter=self.drafter if spec else None,
+            block_size=self.block_size if spec else 1,
+            verify=self.verify if spec else "full",
+        )[0]
+
+    def summary(
+        self,
+        prompts: Sequence[Any],
+        max_new_tokens: int,
+        seed: int,
+        baseline: bool,
+        warmup: bool,
+        bar: Any = None,
+    ) -> EvalSummary:
+        """Each prompt decoded (prompt i with seed + i), `bar` advanced per prompt; a short
+        `warmup` decode first keeps one-off costs (allocator, kernels) out of the timings."""
+        device = _target_device(self.target)
+        spec, ar = [], []
+        if warmup and prompts:
             w = _as_prompt(prompts[0], device)
-            run(w, min(8, max_new_tokens), seed, spec=True)
+            self.run(w, min(8, max_new_tokens), seed, spec=True)
             if baseline:
-                run(w, min(8, max_new_tokens), seed, spec=False)
+                self.run(w, min(8, max_new_tokens), seed, spec=False)
         for i, p in enumerate(prompts):
             ids = _as_prompt(p, device)
-            spec.append(run(ids, max_new_tokens, seed + i, spec=True))
+            spec.append(self.run(ids, max_new_tokens, seed + i, spec=True))
             if baseline:
-                ar.append(run(ids, max_new_tokens, seed + i, spec=False))
-            bar.update(1)
-        s = summarize(spec, ar or None, block_size)
-        s.decode_dtype = dtype_label(module_dtype(target.model))
+                ar.append(self.run(ids, max_new_tokens, seed + i, spec=False))
+            if bar is not None:
+                bar.update(1)
+        s = summarize(spec, ar or None, self.block_size)
+        s.decode_dtype = dtype_label(self.target.dtype)
         s.prompts = [_as_prompt(p, device)[0].tolist() for p in prompts]
+        model = self.target.model
         for p, a, b in zip(prompts, spec, ar):
             if a.tokens != b.tokens:
-                s.tie_gaps.append(divergence_gap(target.model, _as_prompt(p, device), a, b))
-    return s
+                s.tie_gaps.append(divergence_gap(model, _as_prompt(p, device), a, b))
+        return s
 
 
 @torch.no_grad()
@@ -164,7 +201,6 @@ def run_conversations(
     sampling: SamplingConfig | None,
     rendering: Rendering,
     seed: int = 0,
-    dtype: torch.dtype | None = None,
     progress: bool = True,
     desc: str = "eval",
     verify: str = "full",
@@ -175,21 +211,16 @@ def run_conversations(
     Prompts are rendered as in training (`rendering`: Rendering.from_config(cfg)); a raw-text
     prompt (data.format=text) is one user turn, continued once.
 
-    dtype: decode in this dtype (eval.dtype resolved, eval/dtype.py: eval_dtype), on cast copies
-    of target and drafter where they differ; None = as given. `progress`: a bar named `desc`
-    over conversations (drawn only when stderr is a terminal)."""
-    if dtype is not None:
-        target, drafter = target_in(target, dtype), drafter_in(drafter, dtype)
+    Target and drafter decode as given (load_eval_pair loads them in eval.dtype). `progress`: a
+    bar named `desc` over conversations (drawn only when stderr is a terminal)."""
     tok = target.tokenizer
+    drafter = _unwrap(drafter)
+    one = PromptDecoder(target, drafter, block_size, sampling, list(target.eos_token_ids), verify)
     spec: list[GenResult] = []
     ar: list[GenResult] = []
     gaps: list[float] = []
     prompts: list = []
-    with (
-        # packed once for all turns: the per-prompt evaluate calls inside find them packed
-        packed_linears(target.model, target.lm_head, _unwrap(drafter), enabled=packed),
-        showing_progress(len(convs), desc=desc, unit="conversation", enabled=progress) as bar,
-    ):
+    with _decoding(target, drafter, packed, len(convs), desc, "conversation", progress) as bar:
         for ci, (_cid, msgs) in enumerate(convs):
             history: list[dict] = []
             for m in msgs:
@@ -200,19 +231,8 @@ def run_conversations(
                     continue
                 ids = rendering.prompt_ids(tok, history)
                 prompts.append(list(ids))
-                s = evaluate(
-                    target,
-                    drafter,
-                    [ids],
-                    max_new_tokens,
-                    block_size,
-                    sampling,
-                    seed=seed + 1000 * ci + len(history),
-                    warmup=not spec,
-                    progress=False,  # one prompt per call: the bar counts conversations
-                    verify=verify,
-                    packed=packed,
-                )
+                turn_seed = seed + 1000 * ci + len(history)
+                s = one.summary([ids], max_new_tokens, turn_seed, True, warmup=not spec)
                 spec += s.spec_results
                 ar += s.ar_results
                 gaps += s.tie_gaps
@@ -220,7 +240,7 @@ def run_conversations(
                 history.append({"role": "assistant", "content": text})
             bar.update(1)
     out = summarize(spec, ar, block_size)
-    out.decode_dtype = dtype_label(module_dtype(target.model))
+    out.decode_dtype = dtype_label(target.dtype)
     out.tie_gaps = gaps
     out.prompts = prompts
     return out
@@ -228,16 +248,20 @@ def run_conversations(
 
 def load_eval_pair(cfg: Config, drafter_dir: Path, device: torch.device) -> tuple[Any, Any, int]:
     """(target, drafter, block size) for evaluating the exported drafter in `drafter_dir`,
-    checked to belong together (taps, hidden size, block size)."""
+    checked to belong together (taps, hidden size, block size), both loaded in eval.dtype
+    (precision.eval_dtype)."""
     if not drafter_dir.is_dir():
         raise UserError(
             f"no exported drafter at '{drafter_dir}'; train first or pass --drafter DIR."
         )
-    target = TargetModel.load(cfg.target, device)
+    # loaded in the dtype it decodes in: no cast copy of the whole model, and the weights a
+    # server loads from the same directory in that dtype
+    dtype = eval_dtype(cfg.eval.dtype, device, resolve_dtype(cfg.target.dtype, device))
+    target = TargetModel.load(cfg.target, device, dtype)
     if cfg.target.check_taps:  # wrong features would show only as a low tau
         # the hooks decoding taps with (one capture for training and decoding)
         target.check_taps()
-    drafter = load_drafter(drafter_dir, device)
+    drafter = load_drafter(drafter_dir, device, dtype)
     dc = drafter.config
     if list(dc.target_layer_ids) != list(target.layer_ids) or dc.hidden_size != target.hidden_size:
         raise UserError(
@@ -256,49 +280,25 @@ def load_eval_pair(cfg: Config, drafter_dir: Path, device: torch.device) -> tupl
 
 
 def evaluate_datasets(cfg: Config, target: Any, drafter: Any, block_size: int) -> dict:
-    """Speculative decoding on every `eval.datasets` entry: name -> EvalSummary.
-
-    'heldout' is decoded whole. A named set (mt-bench, humaneval, a file) is cut to
-    eval.dataset_prompts; where it overlaps the run's training data (train_ids.json), a warning
-    gives the overlap and tau is reported separately: `NAME:trained` and `NAME:unseen`."""
-    trained = training_ids(cfg)
+    """Speculative decoding on every group of `eval.datasets` prompts (eval/prompts.py
+    prompt_groups): group name -> EvalSummary."""
+    groups = prompt_groups(cfg)
     rendering = Rendering.from_config(cfg)
     results = {}
-    for name in cfg.eval.datasets:
-        convs = load_prompt_set(name, cfg)
-        parts = {name: convs}
-        if name != "heldout":
-            convs = convs[: cfg.eval.dataset_prompts]
-            parts = {name: convs}
-            if trained is not None:
-                seen, rest = split_by_training(convs, trained)
-                if seen:
-                    log.warning(
-                        "eval: %d of %d prompts of '%s' were in this run's training data; "
-                        "their tau is reported apart (%s:trained, %s:unseen)",
-                        len(seen),
-                        len(convs),
-                        name,
-                        name,
-                        name,
-                    )
-                    parts = {f"{name}:trained": seen, f"{name}:unseen": rest}
-        for key, part in parts.items():
-            if not part:
-                continue
-            log.info("eval: %s, %d conversations, block %d", key, len(part), block_size)
-            results[key] = run_conversations(
-                target,
-                drafter,
-                part,
-                cfg.eval.max_new_tokens,
-                block_size,
-                cfg.eval.sampling,
-                rendering,
-                seed=cfg.eval.seed,
-                progress=cfg.metrics.console,
-                desc=f"eval {key}",
-                verify=cfg.eval.verify,
-                packed=cfg.target.packed_linear,
-            )
+    for key, part in groups.items():
+        log.info("eval: %s, %d conversations, block %d", key, len(part), block_size)
+        results[key] = run_conversations(
+            target,
+            drafter,
+            part,
+            cfg.eval.max_new_tokens,
+            block_size,
+            cfg.eval.sampling,
+            rendering,
+            seed=cfg.eval.seed,
+            progress=cfg.metrics.console,
+            desc=f"eval {key}",
+            verify=cfg.eval.verify,
+            packed=cfg.target.packed_linear,
+        )
     return results

@@ -169,6 +169,25 @@ def served_problems(
     return out
 
 
+def report_compared(
+    run: EvalRun, target: Any, export_dir: str | Path, tolerance: float
+) -> list[str]:
+    """served_problems of `run`, and one printed line per group and compared engine: tau beside
+    ours, and for vLLM (which decodes tokens) how many responses equal ours, losslessness and
+    the parity problems found."""
+    problems = served_problems(run, target, export_dir, target.name, tolerance)
+    for name, by_group in run.compared.items():
+        for k, s in by_group.items():
+            line = f"{k}: tau ours {run.groups[k].tau:.3f}, {name} {s.tau:.3f}"
+            if name == "vllm":
+                d = run.details[name][k]
+                found = d["parity_problems"]
+                line += f"; identical to ours on {d['identical_to_ours']} of {s.num_responses}, "
+                line += s.lossless_line() + ("; PARITY: " + " | ".join(found) if found else "")
+            print(line, flush=True)
+    return problems
+
+
 def parity_error(problems: list[str]) -> UserError:
     return UserError(
         "train/serve parity failed (vLLM serving the export disagrees with the project's "

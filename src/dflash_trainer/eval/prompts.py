@@ -4,14 +4,17 @@ run's held-out prompts, and which of them the run trained on (train_ids.json).""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from dflash_trainer.config import Config
 from dflash_trainer.data import embedded  # module: tests patch embedded_prompts
-from dflash_trainer.data.prepare import prompt_hash
+from dflash_trainer.data.chat import prompt_hash
 from dflash_trainer.data.sources import BadRecord, parse_record
 from dflash_trainer.errors import UserError
 from dflash_trainer.layout import RunLayout
+
+log = logging.getLogger(__name__)
 
 
 def load_prompt_file(path: str | Path, data_format: str = "chat") -> list[tuple[str, list[dict]]]:
@@ -100,17 +103,15 @@ def load_prompt_set(name: str, cfg: Config) -> list[tuple[str, list[dict]]]:
         if not convs:
             raise UserError(f"no embedded prompts found for eval dataset '{name}'.")
         return [(c.id, c.messages) for c in convs]
-    if name == "heldout":
-        path = heldout_file(cfg)
-        if not path.is_file():
-            raise UserError(
-                f"eval.datasets=heldout: no held-out prompts at '{path}'. Training writes them "
-                "(RUN_DIR/heldout.jsonl, the prompts it never trained on): pass the run's "
-                "--run_dir, or set --eval.heldout_path to a JSONL of {id, messages}. "
-                "mt-bench/humaneval are not held out from the embedded training data."
-            )
-        return load_prompt_file(path, cfg.data.format)
-    return load_prompt_file(name, cfg.data.format)
+    path = heldout_file(cfg) if name == "heldout" else Path(name)
+    if name == "heldout" and not path.is_file():
+        raise UserError(
+            f"eval.datasets=heldout: no held-out prompts at '{path}'. Training writes them "
+            "(RUN_DIR/heldout.jsonl, the prompts it never trained on): pass the run's "
+            "--run_dir, or set --eval.heldout_path to a JSONL of {id, messages}. "
+            "mt-bench/humaneval are not held out from the embedded training data."
+        )
+    return load_prompt_file(path, cfg.data.format)
 
 
 def training_ids(cfg: Config) -> tuple[set, set] | None:
@@ -131,3 +132,34 @@ def split_by_training(convs, trained: tuple[set, set]) -> tuple[list, list]:
     for cid, msgs in convs:
         (seen if cid in ids or prompt_hash(msgs) in hashes else rest).append((cid, msgs))
     return seen, rest
+
+
+def prompt_groups(cfg: Config) -> dict[str, list[tuple[str, list[dict]]]]:
+    """The conversations every `eval.datasets` entry decodes, by group name.
+
+    'heldout' is decoded whole. A named set (mt-bench, humaneval, a file) is cut to
+    eval.dataset_prompts; where it overlaps the run's training data (train_ids.json), a warning
+    gives the overlap and the two parts are separate groups: `NAME:trained` and `NAME:unseen`."""
+    trained = training_ids(cfg)
+    out: dict[str, list[tuple[str, list[dict]]]] = {}
+    for name in cfg.eval.datasets:
+        convs = load_prompt_set(name, cfg)
+        parts = {name: convs}
+        if name != "heldout":
+            convs = convs[: cfg.eval.dataset_prompts]
+            parts = {name: convs}
+            if trained is not None:
+                seen, rest = split_by_training(convs, trained)
+                if seen:
+                    log.warning(
+                        "eval: %d of %d prompts of '%s' were in this run's training data; "
+                        "their tau is reported apart (%s:trained, %s:unseen)",
+                        len(seen),
+                        len(convs),
+                        name,
+                        name,
+                        name,
+                    )
+                    parts = {f"{name}:trained": seen, f"{name}:unseen": rest}
+        out.update({k: v for k, v in parts.items() if v})
+    return out

@@ -162,6 +162,9 @@ class TargetModel:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # the dtype its weights were loaded in (a cast copy keeps its source's): weights loaded in
+        # bf16 and cast to fp32 are not the checkpoint's fp32 weights that a server loads
+        self.loaded_dtype = p.dtype
         # target.attn_implementation as transformers resolved it
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "eager"
         self._backbone = _backbone(model)
@@ -209,9 +212,15 @@ class TargetModel:
         return cls(model, tokenizer, layer_ids, name or type(model).__name__)
 
     @classmethod
-    def load(cls, target_cfg: TargetConfig, device: str | torch.device = "cpu") -> TargetModel:
+    def load(
+        cls,
+        target_cfg: TargetConfig,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> TargetModel:
         """Load `target_cfg.model` (local dir, hub name at `target.revision`, or
-        'embedded:smollm2') with `target.attn_implementation`, frozen, in eval mode."""
+        'embedded:smollm2') with `target.attn_implementation`, frozen, in eval mode, in `dtype`
+        (None: target.dtype resolved for `device`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         name = target_cfg.model
@@ -224,7 +233,7 @@ class TargetModel:
             )
         else:
             path = name
-        dtype = resolve_dtype(target_cfg.dtype, device)
+        dtype = dtype or resolve_dtype(target_cfg.dtype, device)
         trc = bool(target_cfg.trust_remote_code)
         if trc:
             log.warning("target.trust_remote_code is on: %s may run its own Python code.", name)
@@ -431,6 +440,7 @@ class TargetModel:
         model = _copy_without_hooks(self.model)
         out = TargetModel(model.to(dtype), self.tokenizer, self.layer_ids, self.name)
         out.eos_token_ids = list(self.eos_token_ids)
+        out.loaded_dtype = self.loaded_dtype
         return out
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ into the run dir). W&B's `log` is not thread-safe, which is fine since one threa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -457,3 +458,20 @@ def build_sinks(
     if metrics_cfg.console:
         sinks.append(ConsoleSink())
     return MultiSink(sinks)
+
+
+def append_to_run(
+    metrics_cfg: MetricsConfig, run_dir: str | Path, record: dict[str, Any], step: int
+) -> str:
+    """One event `record` into the sinks of the run in `run_dir` (metrics.jsonl, TensorBoard,
+    W&B as configured; not the console) at `step`, when that run has metrics; else nowhere.
+    Returns where it went."""
+    layout = RunLayout(Path(run_dir))
+    if not layout.metrics.is_file():
+        return "eval.json only (no RUN_DIR/metrics.jsonl)"
+    sinks = build_sinks(dataclasses.replace(metrics_cfg, console=False), run_dir)
+    try:
+        sinks.event(record, step)
+    finally:
+        sinks.close()
+    return str(layout.metrics)

@@ -7,7 +7,7 @@ The held-out side of the data (data/prepare.py) has two roles:
 - report: everything else. At the end of a run (eval.at_end) every report prompt is decoded:
   tau per source and overall (`eval/tau`, `eval/tau/<source>`). It never selects anything.
 
-Both decode in eval.dtype (eval/dtype.py: cast copies, the training drafter is not touched) and
+Both decode in eval.dtype (precision.eval_dtype; cast copies, the training drafter is untouched) and
 log `eval/tau_sim` and `eval/tau_sim/<source>` (eval/tau_sim.py) beside the measured tau, with
 the gap. Only the end-of-run evaluation draws progress bars (metrics.console): the periodic one
 runs between training steps, under the training bar.
@@ -27,15 +27,14 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.prepare import REPORT, VALIDATION, split_roles, stratified_pick
-from dflash_trainer.eval.dtype import drafter_in, eval_dtype, target_in
-from dflash_trainer.eval.engines import EvalRun, ProjectLoop, comparison_engine
+from dflash_trainer.eval.engines import EvalRun, ProjectLoop, comparison_engines
 from dflash_trainer.eval.metrics import EvalSummary, format_table, summarize, tau_by_context
 from dflash_trainer.eval.tau_sim import TauSim, mean_tau
 from dflash_trainer.files import replace_dir
 from dflash_trainer.layout import RunLayout
 from dflash_trainer.models.export import export_drafter, export_dtype, load_drafter
 from dflash_trainer.models.target import TargetModel
-from dflash_trainer.precision import dtype_label
+from dflash_trainer.precision import dtype_label, eval_dtype, frozen_in
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ class PeriodicEval:
         """The target in eval.dtype (a cast copy where training uses another dtype), made once;
         what every evaluation of this run decodes with (and the parity gate)."""
         if self._target is None:
-            target = target_in(self.target, self.decode_dtype)
+            target = self.target.cast(self.decode_dtype)
             self._sim = TauSim(
                 target,
                 [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report],
@@ -144,7 +143,7 @@ class PeriodicEval:
         """The export as written (its stored dtype), cast to eval.dtype like every evaluation:
         what the reference loop and vLLM load too."""
         device = next(self.target.model.parameters()).device
-        return drafter_in(load_drafter(export_dir, device), self.decode_dtype)
+        return frozen_in(load_drafter(export_dir, device), self.decode_dtype)
 
     def _measure(
         self,
@@ -165,7 +164,7 @@ class PeriodicEval:
         drafter = (
             self.exported_drafter(export_dir)
             if export_dir is not None
-            else drafter_in(self.drafter, self.decode_dtype)
+            else frozen_in(self.drafter, self.decode_dtype)
         )
         loop = ProjectLoop(
             target,
@@ -193,8 +192,7 @@ class PeriodicEval:
         adaptive verify on eval.at_end_adaptive's sources."""
         e, target = self.cfg.eval, self.eval_target()
         if e.compare:
-            label = self.dtype_name
-            engines = [comparison_engine(n, self.cfg, target, export_dir, label) for n in e.compare]
+            engines = comparison_engines(self.cfg, target, export_dir, e.compare)
             run.compare(engines, e.max_new_tokens, self.block_size)
         if e.at_end_adaptive:
             adaptive = ProjectLoop(
