@@ -120,6 +120,24 @@ def test_deterministic_under_a_seed_with_provenance_and_reuse(target, tmp_path):
     assert again["reused"] and read(a) == recs
 
 
+def test_a_file_made_under_the_engines_old_name_is_reused(target, tmp_path):
+    """Prompts written when the project's loop was named "hf" (generate.engine's renamed value)
+    were made by the same engine: reused, not resampled; another engine's are resampled."""
+    cfg = lenient(tmp_path)
+    path = tmp_path / "a.jsonl"
+    syn.synthesize_prompts(cfg, target, path, "project")
+    recs = read(path)
+    for r in recs:
+        r["provenance"]["engine"] = "hf"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    again = syn.synthesize_prompts(cfg, target, path, "project")
+    assert again["reused"] and read(path) == recs
+    for r in recs:
+        r["provenance"]["engine"] = "vllm"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    assert not syn.synthesize_prompts(cfg, target, path, "project")["reused"]
+
+
 def test_top_k_reaches_both_engines(target, tmp_path, monkeypatch):
     """synth.sampling.top_k reaches the project's sampler and vLLM's request (decode.sampler
     tests what top_k does to the draw)."""

@@ -62,8 +62,8 @@ def launch_count(cfg: Config, nproc: int) -> int:
 
 
 def run(cfg: Config, args) -> int:
-    require_sources(cfg)  # before any process or directory is touched
     nproc = launch_count(cfg, args.nproc)
+    require_sources(cfg)  # before any process or directory is touched
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         # Convenience: relaunch this very command under torchrun, one process per cell (or
         # per rank of a pipeline.split).

@@ -39,7 +39,7 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_trainer.config import Config, SamplingConfig, SynthConfig
+from dflash_trainer.config import RENAMED_VALUES, Config, SamplingConfig, SynthConfig
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.data.generate import (
     choose_engine,
@@ -296,12 +296,21 @@ def synth_provenance(cfg: Config, engine: str, dtype: str) -> dict:
     }
 
 
+def _made_as(record: dict, prov: dict) -> bool:
+    """`record` was made with the settings `prov`. An engine recorded under a name it has since
+    lost (generate.engine's renamed values: "hf", the project's loop) is the same engine."""
+    got = {k: record.get("provenance", {}).get(k) for k in prov}
+    engine = got.get("engine")
+    got["engine"] = RENAMED_VALUES.get(("generate.engine", str(engine)), engine)
+    return got == prov
+
+
 def _reusable(path: Path, prov: dict, count: int) -> list[dict] | None:
     """The first `count` records of an earlier file made with the same settings, else None."""
     if not path.is_file():
         return None
     recs = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    same = all({k: r.get("provenance", {}).get(k) for k in prov} == prov for r in recs)
+    same = all(_made_as(r, prov) for r in recs)
     return recs[:count] if same and len(recs) >= count else None
 
 
