@@ -233,7 +233,10 @@ def test_tau_sim_is_logged_per_source_like_tau(tmp_path, monkeypatch):
     from dflash_trainer.run.build import build_drafter
 
     # one cycle per response, its length set by the response: sources then differ
-    monkeypatch.setattr(tau_sim, "simulate_response", lambda *a: [len(a[4])])
+    def one_cycle(*a):  # a[4]: the response's ids
+        yield tau_sim.Cycle(pos=0, drafts=[], accepted=0, committed=len(a[4]), cap=0)
+
+    monkeypatch.setattr(tau_sim, "replay_cycles", one_cycle)
     target = tiny_target()
     ds = tiny_dataset(n=12, max_len=40)
     ds.sources = ["a", "b"] * 6

@@ -16,7 +16,7 @@ from dflash_trainer.config import SamplingConfig
 from dflash_trainer.decode.draft import accepted, draft_block
 from dflash_trainer.decode.loop import decode
 from dflash_trainer.eval.evaluation import evaluate
-from dflash_trainer.eval.tau_sim import TauSim, expected_produced, simulate_response
+from dflash_trainer.eval.tau_sim import TauSim, expected_produced, replay_cycles
 from test_specdecode import (
     LAYER_IDS,
     H,
@@ -77,7 +77,7 @@ def test_tau_sim_stops_where_the_loop_stops():
     assert sum(got.acceptance_lengths[0]) + 1 == len(measured.spec_results[0].tokens)
     # the first response token is a stop id: no cycle, like spec_generate
     feats = sim.features(key, ids)
-    assert simulate_response(drafter, *_heads(target), feats, ids, p, 24, 8, [ids[p]]) == []
+    assert list(replay_cycles(drafter, *_heads(target), feats, ids, p, 24, 8, [ids[p]])) == []
 
 
 def _heads(target):

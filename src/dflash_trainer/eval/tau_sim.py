@@ -108,7 +108,10 @@ def replay_cycles(
     block_size: int,
     stop_ids: Sequence[int] = (),
 ) -> Iterator[Cycle]:
-    """The cycles along one response (see `simulate_response`), the greedy replay's only."""
+    """The greedy replay's cycles along one response. `features` [1, S, n*H] are the tapped
+    target features of `ids` (length S); `ids[prompt_len:]` is the response. Each cycle is the
+    decode loop's draft-and-accept step (decode/draft.py) with the data as the target's
+    choices."""
     stop = set(int(s) for s in stop_ids)
     end = len(ids)
     if prompt_len >= end or max_new_tokens <= 0 or ids[prompt_len] in stop:
@@ -136,38 +139,6 @@ def replay_cycles(
         pos += len(new)
         if stopped:
             return
-
-
-@torch.no_grad()
-def simulate_response(
-    drafter: Drafter,
-    embed_weight: torch.Tensor,
-    lm_head: nn.Module,
-    features: torch.Tensor,
-    ids: Sequence[int],
-    prompt_len: int,
-    max_new_tokens: int,
-    block_size: int,
-    stop_ids: Sequence[int] = (),
-) -> list[int]:
-    """Tokens committed per cycle along one response. `features` [1, S, n*H] are the tapped
-    target features of `ids` (length S); `ids[prompt_len:]` is the response. Each cycle is the
-    decode loop's draft-and-accept step (decode/draft.py) with the data as the target's
-    choices."""
-    return [
-        c.committed
-        for c in replay_cycles(
-            drafter,
-            embed_weight,
-            lm_head,
-            features,
-            ids,
-            prompt_len,
-            max_new_tokens,
-            block_size,
-            stop_ids,
-        )
-    ]
 
 
 def acceptance_probabilities(
@@ -276,19 +247,6 @@ class TauSim:
     ) -> tuple[Sequence[float], list[int]]:
         """One response: (per cycle value, per cycle tokens the greedy replay committed)."""
         t = self.target
-        if self.sampling is None:
-            lens = simulate_response(
-                drafter,
-                t.embed_weight,
-                t.lm_head,
-                self.features(key, ids),
-                ids,
-                prompt_len,
-                max_new,
-                block,
-                t.eos_token_ids,
-            )
-            return lens, lens
         cycles = list(
             replay_cycles(
                 drafter,
@@ -302,9 +260,12 @@ class TauSim:
                 t.eos_token_ids,
             )
         )
+        committed = [c.committed for c in cycles]
+        if self.sampling is None:
+            return committed, committed
         final, stop = self.final_hidden(key, ids), set(t.eos_token_ids)
         values = [expected_tokens(c, t.lm_head, final, self.sampling, stop) for c in cycles]
-        return values, [c.committed for c in cycles]
+        return values, committed
 
     @torch.no_grad()
     def run(
