@@ -89,7 +89,8 @@ def comparison_engines(
 ) -> list[DecodeEngine]:
     """The engines `names` (of eval.compare) decoding the export in `export_dir` beside `target`
     (a TargetModel in the evaluation's dtype)."""
-    return [_comparison_engine(n, cfg, target, export_dir) for n in names]
+    engines = [_comparison_engine(n, cfg, target, export_dir) for n in names]
+    return [x for x in engines if x is not None]  # required: never None (an error instead)
 
 
 def eval_command_engines(cfg: Config, target: Any, export_dir: Path) -> list[DecodeEngine]:
@@ -109,7 +110,7 @@ def eval_command_engines(cfg: Config, target: Any, export_dir: Path) -> list[Dec
 
 def _comparison_engine(
     name: str, cfg: Config, target: Any, export_dir: str | Path | None, required: bool = True
-) -> Any:
+) -> DecodeEngine | None:
     """The engine `name`; where it is vLLM and vLLM cannot run, an error (`required`) or None."""
     if name not in ENGINES or name == "project":
         raise UserError(

@@ -232,7 +232,7 @@ def run_conversations(
                 ids = rendering.prompt_ids(tok, history)
                 prompts.append(list(ids))
                 turn_seed = seed + 1000 * ci + len(history)
-                s = one.summary([ids], max_new_tokens, turn_seed, True, warmup=not spec)
+                s = one.summary([ids], max_new_tokens, turn_seed, baseline=True, warmup=not spec)
                 spec += s.spec_results
                 ar += s.ar_results
                 gaps += s.tie_gaps

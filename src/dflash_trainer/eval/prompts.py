@@ -144,22 +144,21 @@ def prompt_groups(cfg: Config) -> dict[str, list[tuple[str, list[dict]]]]:
     out: dict[str, list[tuple[str, list[dict]]]] = {}
     for name in cfg.eval.datasets:
         convs = load_prompt_set(name, cfg)
-        parts = {name: convs}
         if name != "heldout":
             convs = convs[: cfg.eval.dataset_prompts]
-            parts = {name: convs}
-            if trained is not None:
-                seen, rest = split_by_training(convs, trained)
-                if seen:
-                    log.warning(
-                        "eval: %d of %d prompts of '%s' were in this run's training data; "
-                        "their tau is reported apart (%s:trained, %s:unseen)",
-                        len(seen),
-                        len(convs),
-                        name,
-                        name,
-                        name,
-                    )
-                    parts = {f"{name}:trained": seen, f"{name}:unseen": rest}
+        parts = {name: convs}
+        if name != "heldout" and trained is not None:
+            seen, rest = split_by_training(convs, trained)
+            if seen:
+                log.warning(
+                    "eval: %d of %d prompts of '%s' were in this run's training data; "
+                    "their tau is reported apart (%s:trained, %s:unseen)",
+                    len(seen),
+                    len(convs),
+                    name,
+                    name,
+                    name,
+                )
+                parts = {f"{name}:trained": seen, f"{name}:unseen": rest}
         out.update({k: v for k, v in parts.items() if v})
     return out
