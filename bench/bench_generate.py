@@ -9,8 +9,8 @@
                   (every step rereads and rewrites the whole cache) instead of ours
                   (models/kv_cache.py), which writes each step's keys into preallocated buffers
   ours packed     the same, inside packed_linears (models/packed_linear.py): oneDNN's prepacked
-                  GEMM, which speculative decoding uses on CPU; the packing itself (once per
-                  call) is inside the timed span. The row says whether `generate` should too
+                  GEMM, what `generate` runs on a float32 CPU target (target.packed_linear); the
+                  packing itself (once per call) is inside the timed span
 
 Greedy, fp32, the same prompts (a seeded sample of the embedded set, mixed lengths) and
 max_new_tokens for all three; tokens counted up to and including the stop id. Prints tokens/s of

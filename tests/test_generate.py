@@ -136,6 +136,29 @@ def test_batched_greedy_matches_naive_loop_and_stops_at_eos(target, tmp_path):
     assert "stop" in finish
 
 
+def test_answers_run_on_prepacked_linears_with_the_default_kernels_answers(
+    target, tmp_path, monkeypatch
+):
+    """A float32 CPU target answers through oneDNN's prepacked GEMM (target.packed_linear, on by
+    default: bench/bench_generate.py measures it), every linear layer packed once for the job,
+    and writes the answers PyTorch's default kernels write; packed=False leaves them alone."""
+    from dflash_trainer.models import packed_linear as P
+
+    if not P.available():
+        pytest.skip("no oneDNN in this torch build")
+    real, packed = P._packed_forward, set()
+    monkeypatch.setattr(P, "_packed_forward", lambda m, w, x: packed.add(m) or real(m, w, x))
+    how = dict(max_new_tokens=8, batch_size=2, progress=False)
+    generate_responses(target, PROMPTS, tmp_path / "packed.jsonl", **how)
+    linears = {m for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
+    assert packed == linears and len(linears) == 2 * 7 + 1  # 2 layers x 7 + the LM head
+    packed.clear()
+    generate_responses(target, PROMPTS, tmp_path / "default.jsonl", packed=False, **how)
+    assert not packed
+    assert all("forward" not in m.__dict__ for m in linears)  # unpacked after the job
+    assert read(tmp_path / "packed.jsonl") == read(tmp_path / "default.jsonl")
+
+
 def test_kill_after_first_batch_then_resume(target, tmp_path, monkeypatch):
     clean = tmp_path / "clean.jsonl"
     generate_responses(target, PROMPTS, clean, max_new_tokens=6, batch_size=2, progress=False)

@@ -30,6 +30,7 @@ from dflash_trainer.decode.loop import decode
 from dflash_trainer.decode.sampler import hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root
+from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.models.vllm_engine import VLLMEngine, engine_for_config
 from dflash_trainer.observe.progress import showing_progress
@@ -292,6 +293,7 @@ def generate_responses(
     extra_provenance: dict | None = None,
     capture: Any = None,
     chunk_prompts: int = 512,
+    packed: bool = True,
 ) -> dict:
     """Append one record per not-yet-done prompt to `out_path`. Returns counts and tokens/s.
 
@@ -307,7 +309,8 @@ def generate_responses(
     Every record's provenance names the engine, the seed and the target's dtype (a sampled
     answer is reproducible from them), plus `extra_provenance` (e.g. the target revision).
     `capture` (engine project): a pipeline.feature_cache.CapturedFeatures kept for training's first
-    epoch (decode_batch).
+    epoch (decode_batch). `packed` (engine project): a float32 CPU target's linear layers run
+    oneDNN's prepacked GEMM (models/packed_linear.py; target.packed_linear), packed once here.
     """
     rendering = rendering or Rendering()
     if max_new_tokens < 1 or batch_size < 1:
@@ -337,16 +340,17 @@ def generate_responses(
             how = (max_new_tokens, sampling, seed, provenance, rendering, path, stats, bar)
             _generate_vllm(vllm, target, todo, *how, chunk_prompts)
             return _timed(stats, t0)
-        for b in range(0, len(todo), batch_size):
-            chunk = todo[b : b + batch_size]
-            records, new_tokens = _generate_batch(
-                target, chunk, max_new_tokens, sampling, pad_id, seed, provenance, rendering,
-                capture,
-            )  # fmt: skip
-            _append_records(path, records)
-            _count_batch(stats, len(records), new_tokens, t0)
-            bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
+        with packed_linears(target.model, target.lm_head, enabled=packed):
+            for b in range(0, len(todo), batch_size):
+                chunk = todo[b : b + batch_size]
+                records, new_tokens = _generate_batch(
+                    target, chunk, max_new_tokens, sampling, pad_id, seed, provenance, rendering,
+                    capture,
+                )  # fmt: skip
+                _append_records(path, records)
+                _count_batch(stats, len(records), new_tokens, t0)
+                bar.update(len(chunk))
+                bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
     return _timed(stats, t0)
 
 
@@ -512,6 +516,7 @@ def generate_with(cfg: Config, target, prompts, out, capture=None) -> dict:
         progress=cfg.metrics.console,
         capture=capture,
         chunk_prompts=cfg.generate.chunk_prompts,
+        packed=cfg.target.packed_linear,
     )
     engine, vllm = choose_engine(cfg, choice, len(prompts) * cfg.generate.max_new_tokens)
     try:

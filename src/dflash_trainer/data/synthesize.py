@@ -54,6 +54,7 @@ from dflash_trainer.data.sources import Conversation
 from dflash_trainer.decode.sampler import hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root, write_atomic
+from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.precision import dtype_label, dtype_name
 
@@ -192,7 +193,7 @@ def pre_query_ids(tokenizer, rendering: Rendering, system_prompt: str, hint: str
     return list(tokenizer(text[:cut] + hint, add_special_tokens=False)["input_ids"])
 
 
-def _sample_hf(target, row: list[int], count: int, s, stop, seed: int) -> list[tuple]:
+def _sample_project(target, row: list[int], count: int, s, stop, seed: int) -> list[tuple]:
     """`count` continuations of one pre-query with the project's decode loop: (tokens, ended).
     The sampler is keyed by (seed, position): each copy of the row gets its own seed."""
     tok = target.tokenizer
@@ -234,7 +235,30 @@ def sample_turns(target, rows, count, s, engine, vllm, seed) -> list[list[tuple]
     stop = [int(x) for x in target.eos_token_ids]
     if engine == "vllm":
         return _sample_vllm(vllm, rows, count, s, stop, seed)
-    return [_sample_hf(target, r, count, s, stop, seed * 7919 + i) for i, r in enumerate(rows)]
+    return [_sample_project(target, r, count, s, stop, seed * 7919 + i) for i, r in enumerate(rows)]
+
+
+def _sample_rounds(target, rows, hints, s: SynthConfig, engine, vllm, screen) -> tuple[int, int]:
+    """Sample user turns round after round until `screen` keeps s.prompts of them or
+    s.max_rounds have run; each round asks for what is missing at the last round's keep rate.
+    Returns (candidates offered, rounds run)."""
+    tok = target.tokenizer
+    candidates, rate, rounds = 0, 0.5, 0
+    while len(screen.records) < s.prompts and rounds < s.max_rounds:
+        before = len(screen.records)
+        per_hint = max(1, math.ceil((s.prompts - before) / max(rate, 0.05) / len(hints)))
+        # far apart per round (the project's loop seeds each copy with seed + its index)
+        seed = (s.seed * 1_000 + rounds) * 1_000_003
+        sampled = sample_turns(target, rows, per_hint, s, engine, vllm, seed)
+        for k in range(per_hint):  # hints interleaved, so a short run keeps their mix
+            for h, hint in enumerate(hints):
+                if len(screen.records) < s.prompts:
+                    ids, ended = sampled[h][k]
+                    candidates += 1
+                    screen.offer(hint, tok.decode(ids, skip_special_tokens=True), ended, rounds)
+        rate = max((len(screen.records) - before) / (per_hint * len(hints)), 0.01)
+        rounds += 1
+    return candidates, rounds
 
 
 # ------------------------------------------------------------------------------------------ entry
@@ -336,21 +360,11 @@ def synthesize_prompts(cfg: Config, target, out_path, engine_choice: str = "auto
     rendering, tok = Rendering.from_config(cfg), target.tokenizer
     rows = [pre_query_ids(tok, rendering, s.system_prompt, h) for h in hints]
     screen = _Screen(cfg, prov)
-    candidates, rate, rounds = 0, 0.5, 0
-    while len(screen.records) < s.prompts and rounds < s.max_rounds:
-        before = len(screen.records)
-        per_hint = max(1, math.ceil((s.prompts - before) / max(rate, 0.05) / len(hints)))
-        # far apart per round (the project's loop seeds each copy with seed + its index)
-        seed = (s.seed * 1_000 + rounds) * 1_000_003
-        sampled = sample_turns(target, rows, per_hint, s, engine, vllm, seed)
-        for k in range(per_hint):  # hints interleaved, so a short run keeps their mix
-            for h, hint in enumerate(hints):
-                if len(screen.records) < s.prompts:
-                    ids, ended = sampled[h][k]
-                    candidates += 1
-                    screen.offer(hint, tok.decode(ids, skip_special_tokens=True), ended, rounds)
-        rate = max((len(screen.records) - before) / (per_hint * len(hints)), 0.01)
-        rounds += 1
+    # the project's loop on a float32 CPU target: oneDNN's prepacked GEMM, packed once
+    with packed_linears(
+        target.model, target.lm_head, enabled=engine == "project" and cfg.target.packed_linear
+    ):
+        candidates, rounds = _sample_rounds(target, rows, hints, s, engine, vllm, screen)
     records, reasons = screen.records, screen.reasons
     if not records:
         raise UserError(
