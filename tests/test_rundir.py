@@ -17,7 +17,7 @@ from dflash_trainer.checkpoint import (
 from dflash_trainer.config import ConfigError
 from dflash_trainer.config_io import load_config
 from dflash_trainer.errors import UserError
-from dflash_trainer.run import train
+from dflash_trainer.run import rundir, train
 from dflash_trainer.run.rundir import earlier_run, prepare
 from test_bad_input import GOOD, _train, model_dir  # noqa: F401  (model_dir: a fixture)
 from tiny import tiny_config, tiny_dataset, tiny_target
@@ -170,7 +170,13 @@ def test_flags_overwrite_resume_from_and_their_conflict(tmp_path):
         load_config(None, None, ["--overwrite", "--checkpoint.resume"])
 
 
-def test_cli_second_train_refused_then_overwrite(model_dir, tmp_path, capsys, caplog):  # noqa: F811
+def test_cli_second_train_refused_then_overwrite(
+    model_dir,  # noqa: F811
+    tmp_path,
+    capsys,
+    caplog,
+    monkeypatch,
+):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join([json.dumps(GOOD)] * 8) + "\n")
     assert _train(model_dir, tmp_path, f"--data.sources={data}") == 0
@@ -181,8 +187,11 @@ def test_cli_second_train_refused_then_overwrite(model_dir, tmp_path, capsys, ca
     assert "already holds a run" in err and "--overwrite" in err
     assert "last-error.log" in err  # the earlier run's train.log gets nothing
     assert (tmp_path / "run" / "train.log").read_text() == log_before
+    applied = []  # the run-dir policy, once per command (before the log opens there)
+    monkeypatch.setattr(rundir, "prepare", lambda *a: applied.append(a) or prepare(*a))
     with caplog.at_level(logging.INFO, logger="dflash_trainer"):
         assert _train(model_dir, tmp_path, f"--data.sources={data}", "--overwrite") == 0
+    assert [mode for _, mode in applied] == ["overwrite"]
     said = [r.getMessage() for r in caplog.records if "moved the earlier run in" in r.getMessage()]
     assert len(said) == 1 and "run.old-" in said[0]
     (moved,) = tmp_path.glob("run.old-*")

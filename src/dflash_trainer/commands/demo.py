@@ -51,12 +51,14 @@ def run(cfg: Config, args) -> int:
     try:
         if moved:
             _say(moved)
-        return _demo(cfg, time.monotonic(), getattr(args, "preset", None))
+        return _demo(
+            cfg, time.monotonic(), getattr(args, "preset", None), rundir.Claim(moved, None)
+        )
     finally:
         logging.getLogger().removeHandler(handler)
 
 
-def _demo(cfg: Config, t_all: float, preset: str | None = None) -> int:
+def _demo(cfg: Config, t_all: float, preset: str | None, claimed: rundir.Claim) -> int:
     run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.pipeline.cpu_threads or torch.get_num_threads())
     phases = Phases()
@@ -90,7 +92,9 @@ def _demo(cfg: Config, t_all: float, preset: str | None = None) -> int:
         + ", then the held-out evaluation"
     )
     configure_final_eval(cfg, report)
-    result = train(cfg, target=target, train_set=train_set, heldout=heldout, captured=captured)
+    result = train(
+        cfg, target=target, train_set=train_set, heldout=heldout, captured=captured, claimed=claimed
+    )
     phases.end("training")
     _say(f"    {result.steps} steps in {result.train_s:.0f} s ({result.reason})")
     if result.balance:

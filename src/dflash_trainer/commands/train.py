@@ -75,16 +75,15 @@ def run(cfg: Config, args) -> int:
                 "under torchrun, --resume-from with --overwrite needs a checkpoint outside "
                 "run_dir (rank 0 moves run_dir aside); copy it out first."
             )
-    if rank == 0:  # one run per run_dir: refuse, resume or move aside before anything is written
-        claimed = claim(cfg)  # what it did is logged (console and, later, train.log)
-        if claimed.resume_from is not None:
-            cfg.checkpoint.resume_from = str(claimed.resume_from)
+    # One run per run_dir: refuse, resume or move aside before anything is written, the log
+    # included (it would move aside with an earlier run). Rank 0 only; the others follow it.
+    claimed = claim(cfg) if rank == 0 else None
     handler = setup_run_logging(Path(cfg.run_dir), rank)
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
-            result = train_distributed(cfg)
+            result = train_distributed(cfg, claimed=claimed)
         else:
-            result = train(cfg)
+            result = train(cfg, claimed=claimed)
     finally:
         logging.getLogger().removeHandler(handler)
     if rank != 0:

@@ -283,10 +283,13 @@ def co_located_target_bytes(cfg: Config, target, device: torch.device) -> int:
     return sum(p.numel() * p.element_size() for p in target.model.parameters())
 
 
-def claim_run_dir(cfg: Config, rank: int) -> Path | None:
+def claim_run_dir(cfg: Config, rank: int, claimed: rundir.Claim | None = None) -> Path | None:
     """One run per directory (run/rundir.py): rank 0 refuses, resumes or moves an earlier run
-    aside before this run writes anything there. Returns the checkpoint to start from (None:
+    aside before this run writes anything there, unless its caller did (`claimed`: the command
+    claims before it opens the run's log there). Returns the checkpoint to start from (None:
     run_dir's latest when resuming, else a fresh start)."""
+    if claimed is not None:
+        return claimed.resume_from
     if rank == 0:
         return rundir.claim(cfg).resume_from
     if cfg.checkpoint.resume_from:
@@ -375,9 +378,10 @@ def build_run(
     rank: int = 0,
     world_size: int = 1,
     ddp_wrap=None,
+    claimed: rundir.Claim | None = None,
 ) -> RunParts:
     run_dir = Path(cfg.run_dir)
-    resume_from = claim_run_dir(cfg, rank)
+    resume_from = claim_run_dir(cfg, rank, claimed)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     p = cfg.pipeline

@@ -64,6 +64,7 @@ from dflash_trainer.run.build import (
 )
 from dflash_trainer.run.evaluation import PeriodicEval
 from dflash_trainer.run.hooks import CheckpointExport, CheckpointLogged, RunHooks
+from dflash_trainer.run.rundir import Claim
 
 log = logging.getLogger(__name__)
 
@@ -613,11 +614,14 @@ def train(
     observe: bool = True,
     dist=None,
     captured=None,
+    claimed: Claim | None = None,
 ) -> TrainResult:
     """Build the run from `cfg` (the given target / datasets are used instead of loading them)
     and train it. `dist`: a pipeline.distributed.DistContext when this process is one rank of a
     torchrun job (run.distributed.train_distributed builds it); it sets rank/world_size and the
-    DDP wrapper. `captured`: features kept while generating the data (Trainer)."""
+    DDP wrapper. `captured`: features kept while generating the data (Trainer). `claimed`: the
+    run directory's policy as the caller already applied it (run/rundir.py); None: train
+    applies it."""
     if dist is not None:
         rank, world_size = dist.rank, dist.world_size
         ddp_wrap = ddp_wrap if ddp_wrap is not None else dist.ddp_wrap
@@ -632,5 +636,6 @@ def train(
         rank=rank,
         world_size=world_size,
         ddp_wrap=ddp_wrap,
+        claimed=claimed,
     )
     return Trainer(parts, dist=dist, monitor=monitor, observe=observe, captured=captured).run()
