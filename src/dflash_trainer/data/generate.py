@@ -469,8 +469,10 @@ def ensure_embedded_responses(cfg: Config, target=None, capture=None) -> Path:
 # tokens, bf16, 2 busy cores): vLLM's CPU build 222.7 tokens/s including the start, the project's
 # batched loop (batch 64) 35.9 tokens/s; on 6 prompts x 24 tokens the loop won (6.1 vs 2.7).
 # Break-even near 1,200 generated tokens: below this budget (prompts x max_new_tokens) auto
-# stays with the loop. In float32 the two ran alike (64 prompts: vLLM 28.5, the loop 30.4
-# tokens/s, identical answers), so auto keeps the loop there.
+# stays with the loop. In float32 auto keeps the loop too: there it hands the taps it computes
+# while writing to the first epoch (pipeline.capture_features, 1.46x that epoch's tokens/s), which
+# vLLM cannot, and on prepacked linears it writes the demo's answers at 222.7 tokens/s (AVX2
+# simulated on a Zen 4 EPYC) where vLLM's fp32 CPU build ran 295.1 natively (bench/RESULTS.md).
 AUTO_VLLM_MIN_BUDGET = 2048
 
 
@@ -501,7 +503,7 @@ def gen_settings(cfg: Config) -> dict:
 
 def generate_with(cfg: Config, target, prompts, out, capture=None) -> dict:
     """generate_responses with cfg's [generate] settings, on the engine that
-    generate.engine (hf | vllm | auto: choose_engine) picks for this job; under auto, a target
+    generate.engine (project | vllm | auto: choose_engine) picks for this job; under auto, a target
     vLLM cannot serve falls back to the project's loop (vLLM wrote nothing). `capture`: the
     loop's taps kept for training (generate_responses; vLLM keeps none)."""
     choice = cfg.generate.engine
