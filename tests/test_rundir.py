@@ -160,6 +160,21 @@ def test_resume_from_into_another_run_is_refused_unless_overwrite(tmp_path):
         _run(tmp_path / "d", **{"checkpoint.resume_from": str(tmp_path / "nowhere")})
 
 
+def test_claim_in_the_demos_overwrite_mode_keeps_a_resume_from_it_moves(tmp_path):
+    """The demo claims with mode "overwrite" whatever cfg.overwrite says: the earlier run moves
+    aside, and a --resume-from checkpoint inside it is read where it went."""
+    _run(tmp_path, **{"optim.max_steps": 4, "checkpoint.every_steps": 2})
+    ck2 = tmp_path / "run" / "checkpoints" / "step-0000002"
+    cfg = tiny_config(tmp_path, **{"checkpoint.resume_from": str(ck2)})
+    with pytest.raises(UserError, match="already holds another run"):
+        rundir.claim(cfg)  # cfg's own mode: new
+    claimed = rundir.claim(cfg, "overwrite")
+    (moved,) = tmp_path.glob("run.old-*")
+    assert claimed.message.startswith(f"moved the earlier run in {tmp_path / 'run'}")
+    assert claimed.resume_from == moved / "checkpoints" / "step-0000002"
+    assert claimed.resume_from.is_dir() and not (tmp_path / "run").exists()
+
+
 def test_flags_overwrite_resume_from_and_their_conflict(tmp_path):
     cfg = load_config(None, None, ["--overwrite", "--resume-from", "x/step-1", "--run-dir=r"])
     assert cfg.overwrite is True and cfg.checkpoint.resume_from == "x/step-1"

@@ -46,14 +46,12 @@ def _say(msg: str) -> None:
 
 def run(cfg: Config, args) -> int:
     # Before the log file opens there: an earlier run is moved aside with its own log.
-    moved = rundir.prepare(Path(cfg.run_dir), "overwrite")
+    claimed = rundir.claim(cfg, "overwrite")
     handler = setup_run_logging(Path(cfg.run_dir))
     try:
-        if moved:
-            _say(moved)
-        return _demo(
-            cfg, time.monotonic(), getattr(args, "preset", None), rundir.Claim(moved, None)
-        )
+        if claimed.message:
+            _say(claimed.message)
+        return _demo(cfg, time.monotonic(), getattr(args, "preset", None), claimed)
     finally:
         logging.getLogger().removeHandler(handler)
 

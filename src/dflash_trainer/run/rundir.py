@@ -95,8 +95,7 @@ def refusal(run_dir, found: list[str]) -> str:
 def prepare(run_dir, mode: str = "new") -> str:
     """Make `run_dir` ready for a run in `mode` (see the module docstring). Returns what was
     done, in one line ('' when the directory held no earlier run or the run resumes); raises
-    UserError when `mode` is "new" and an earlier run is there. The demo calls
-    `prepare(run_dir, "overwrite")` before each run."""
+    UserError when `mode` is "new" and an earlier run is there."""
     return _prepare(run_dir, mode)[0]
 
 
@@ -147,19 +146,21 @@ def _inside(path: Path, root: Path) -> bool:
         return False
 
 
-def claim(cfg: Config) -> Claim:
-    """Apply the run-directory policy for `cfg` (rank 0 only). With checkpoint.resume_from the
-    checkpoint is resolved first; when it lies in a run directory `--overwrite` moves aside,
-    the returned path is where it is now."""
+def claim(cfg: Config, mode: str | None = None) -> Claim:
+    """Apply the run-directory policy for `cfg` (rank 0 only) in `mode` (None: the one cfg asks
+    for, mode_of; the demo always overwrites). With checkpoint.resume_from the checkpoint is
+    resolved first; when it lies in a run directory that is moved aside, the returned path is
+    where it is now."""
     run_dir = Path(cfg.run_dir)
+    mode = mode or mode_of(cfg)
     if not cfg.checkpoint.resume_from:
-        return Claim(prepare(run_dir, mode_of(cfg)), None)
+        return Claim(prepare(run_dir, mode), None)
     src = ckpt.checkpoint_dir(cfg.checkpoint.resume_from)
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is not None and src.resolve() == latest.resolve():
         return Claim("", latest)  # the run directory's own latest: a plain resume
     found = earlier_run(run_dir)
-    if found and not cfg.overwrite:
+    if found and mode != "overwrite":
         raise RunDirInUse(
             f"--resume-from {src}: run_dir {run_dir} already holds another run "
             f"({', '.join(found)}); starting from {src.name} there would mix the two. Write the "
