@@ -4,9 +4,11 @@
                 (`dflash_generate` of the `dflash` package) on the same exported drafter
   plain greedy  ours (`decode`, the same loop with block 1) vs transformers' `generate`
 
-Kernels: ours run as the product decodes on CPU, with the linear layers on oneDNN's prepacked
-GEMM (target.packed_linear, models/packed_linear.py; --kernels=default for PyTorch's), the
-references on a copy of the target with PyTorch's default kernels, as they ship.
+Kernels: ours run as the product decodes on CPU (target.packed_linear, `TargetModel.decoding`):
+the target's forward as one lean pass over stacked, prepacked weights (models/lean_forward.py),
+the drafter's linear layers on oneDNN's prepacked GEMM (models/packed_linear.py); --kernels=default
+for transformers' forward on PyTorch's kernels. The references run on a copy of the target with
+PyTorch's default kernels, as they ship.
 
 Same prompts (held-out-style MT-Bench and HumanEval user turns, rendered by the target's chat
 template), same max_new_tokens, stop ids and threads, fp32 (the CPU eval default): tokens/s of
@@ -36,6 +38,7 @@ import argparse
 import contextlib
 import copy
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +52,6 @@ from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering
 from dflash_trainer.decode import loop as decode_loop
 from dflash_trainer.models.export import export_drafter, load_drafter
-from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.precision import cpu_kind
 from dflash_trainer.run.build import build_drafter
@@ -110,7 +112,8 @@ def _args():
         "--kernels",
         choices=("packed", "default"),
         default="packed",
-        help="our loops' linear kernels (the references always run PyTorch's default)",
+        help="our loops' kernels: packed = TargetModel.decoding's, as the product decodes "
+        "(the references always run PyTorch's default)",
     )
     ap.add_argument("--json", default="")
     return ap.parse_args()
@@ -155,8 +158,10 @@ def _against_references(r: SimpleNamespace, ref) -> SimpleNamespace:
     m.tokens = {k: 0 for k in m.t}
     m.cycles = m.draft_s = m.verify_s = 0.0
     m.committed = 0
+    m.read_gb_s = []  # measured before each prompt's runs: this host's bandwidth drifts
     for i, p in enumerate(r.prompts):
         x = torch.tensor([p])
+        m.read_gb_s.append(bench_harness.memory_read_gb_s(reps=3))
         # alternate which side runs first
         order = ("spec", "ref", "ar", "hf") if i % 2 == 0 else ("ref", "spec", "hf", "ar")
         out = {}
@@ -226,7 +231,7 @@ def _result(args, r: SimpleNamespace, m: SimpleNamespace, at_k: dict) -> dict:
     rate = {k: m.tokens[k] / sum(v) for k, v in m.t.items()}
     ar_step = sum(m.t["ar"]) / m.tokens["ar"]
     cycle = sum(m.t["spec"]) / m.cycles  # prefill included: conservative
-    bw = bench_harness.memory_read_gb_s()
+    bw = statistics.median(m.read_gb_s)
     target_gb = _weight_bytes(r.model) / 1e9
     drafter_gb = _weight_bytes(r.drafter) / 1e9
     per_cycle = m.committed / m.cycles
@@ -236,6 +241,7 @@ def _result(args, r: SimpleNamespace, m: SimpleNamespace, at_k: dict) -> dict:
         "machine": cpu_kind(),
         "kernels": args.kernels,
         "read_gb_s": bw,
+        "read_gb_s_range": [min(m.read_gb_s), max(m.read_gb_s)],
         "weights_gb": {"target": target_gb, "drafter": drafter_gb},
         "bound_tok_s": bound,
         "vs_bound": {k: rate[k] / bound[k] for k in bound},
@@ -288,7 +294,9 @@ def _print(result: dict) -> None:
         f"steps per cycle); projected speedup at 2/3/4 tokens per cycle: "
         + "/".join(f"{v:.2f}" for v in result["projected_speedup"].values())
         + f"; measured at {result['tokens_per_cycle']:.2f}: {result['speedup_measured']:.2f}x"
-        + f"\nagainst the bandwidth bound ({result['read_gb_s']:.1f} GB/s read; target "
+        + f"\nagainst the bandwidth bound ({result['read_gb_s']:.1f} GB/s read, the median of "
+        f"{'-'.join(f'{v:.1f}' for v in result['read_gb_s_range'])} measured beside the "
+        f"prompts; target "
         f"{result['weights_gb']['target']:.3f} GB, drafter {result['weights_gb']['drafter']:.3f} "
         "GB of weights per forward): "
         + ", ".join(
@@ -314,9 +322,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         r = _rig(args, ref, tmp)
         packing = (
-            packed_linears(r.model, r.drafter)
-            if args.kernels == "packed"
-            else contextlib.nullcontext()
+            r.target.decoding(r.drafter) if args.kernels == "packed" else contextlib.nullcontext()
         )
         with torch.inference_mode(), _cpu_clock(ref), packing:
             m = _against_references(r, ref)

@@ -136,26 +136,39 @@ def test_batched_greedy_matches_naive_loop_and_stops_at_eos(target, tmp_path):
     assert "stop" in finish
 
 
-def test_answers_run_on_prepacked_linears_with_the_default_kernels_answers(
+def test_answers_run_on_the_decoding_kernels_with_the_default_kernels_answers(
     target, tmp_path, monkeypatch
 ):
-    """A float32 CPU target answers through oneDNN's prepacked GEMM (target.packed_linear, on by
-    default: bench/bench_generate.py measures it), every linear layer packed once for the job,
-    and writes the answers PyTorch's default kernels write; packed=False leaves them alone."""
+    """A float32 CPU target answers through `TargetModel.decoding` (target.packed_linear, on by
+    default: bench/bench_generate.py measures it): this Llama-shaped target's forward as the
+    lean pass (models/lean_forward.py), its LM head on oneDNN's prepacked GEMM, both packed once
+    for the job; and it writes the answers transformers' forward on PyTorch's default kernels
+    writes. packed=False leaves the target alone."""
+    from dflash_trainer.models import lean_forward as LF
     from dflash_trainer.models import packed_linear as P
 
     if not P.available():
         pytest.skip("no oneDNN in this torch build")
     real, packed = P._packed_forward, set()
     monkeypatch.setattr(P, "_packed_forward", lambda m, w, x: packed.add(m) or real(m, w, x))
+    real_lean, lean_calls = LF.LeanForward.__call__, []
+
+    def counted(self, *a, **k):
+        lean_calls.append(a[0].shape)
+        return real_lean(self, *a, **k)
+
+    monkeypatch.setattr(LF.LeanForward, "__call__", counted)
     how = dict(max_new_tokens=8, batch_size=2, progress=False)
     generate_responses(target, PROMPTS, tmp_path / "packed.jsonl", **how)
-    linears = {m for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
-    assert packed == linears and len(linears) == 2 * 7 + 1  # 2 layers x 7 + the LM head
+    assert packed == {target.lm_head}
+    assert len(lean_calls) >= 8  # the prefills and every decode step of the job
     packed.clear()
+    lean_calls.clear()
     generate_responses(target, PROMPTS, tmp_path / "default.jsonl", packed=False, **how)
-    assert not packed
+    assert not packed and not lean_calls
+    linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
     assert all("forward" not in m.__dict__ for m in linears)  # unpacked after the job
+    assert target._lean is None
     assert read(tmp_path / "packed.jsonl") == read(tmp_path / "default.jsonl")
 
 

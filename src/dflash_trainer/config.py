@@ -248,11 +248,13 @@ class TargetConfig:
     enable_thinking: bool = _f(False, "chat template thinking mode, where the template has one")
     packed_linear: bool = _f(
         True,
-        "CPU float32 decoding (evaluation, answer generation, prompt synthesis): linear layers "
-        "of target and drafter run oneDNN's prepacked GEMM, the weights packed once per job (a "
-        "second copy of them meanwhile); a verify pass of 16 positions 1.3-1.4x faster, of 4 "
-        "positions 1.7x, on a 2-core AVX2 EPYC, answers at batch 64 1.22x; false = PyTorch's "
-        "default kernels (models/packed_linear.py)",
+        "CPU float32 decoding (evaluation, answer generation, prompt synthesis) on kernels made "
+        "for it, the weights packed once per job (a second copy of them meanwhile): a "
+        "Llama-shaped target (Llama, Mistral, Qwen2, Qwen3) decodes through one lean forward "
+        "over stacked prepacked weights (models/lean_forward.py; single-stream greedy 1.96x "
+        "transformers' generate on a 2-core EPYC under AVX2), other targets' and the drafter's "
+        "linear layers run oneDNN's prepacked GEMM (models/packed_linear.py); false = "
+        "transformers' forward on PyTorch's default kernels",
     )
     check_taps: bool = _f(
         True,

@@ -30,7 +30,6 @@ from dflash_trainer.decode.loop import decode
 from dflash_trainer.decode.sampler import hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root
-from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.models.vllm_engine import VLLMEngine, engine_for_config
 from dflash_trainer.observe.progress import showing_progress
@@ -340,7 +339,7 @@ def generate_responses(
             how = (max_new_tokens, sampling, seed, provenance, rendering, path, stats, bar)
             _generate_vllm(vllm, target, todo, *how, chunk_prompts)
             return _timed(stats, t0)
-        with packed_linears(target.model, target.lm_head, enabled=packed):
+        with target.decoding(packed=packed):
             for b in range(0, len(todo), batch_size):
                 chunk = todo[b : b + batch_size]
                 records, new_tokens = _generate_batch(

@@ -54,7 +54,6 @@ from dflash_trainer.data.sources import Conversation
 from dflash_trainer.decode.sampler import hash32_int
 from dflash_trainer.errors import UserError
 from dflash_trainer.files import cache_root, write_atomic
-from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.precision import dtype_label, dtype_name
 
@@ -361,9 +360,7 @@ def synthesize_prompts(cfg: Config, target, out_path, engine_choice: str = "auto
     rows = [pre_query_ids(tok, rendering, s.system_prompt, h) for h in hints]
     screen = _Screen(cfg, prov)
     # the project's loop on a float32 CPU target: oneDNN's prepacked GEMM, packed once
-    with packed_linears(
-        target.model, target.lm_head, enabled=engine == "project" and cfg.target.packed_linear
-    ):
+    with target.decoding(packed=engine == "project" and cfg.target.packed_linear):
         candidates, rounds = _sample_rounds(target, rows, hints, s, engine, vllm, screen)
     records, reasons = screen.records, screen.reasons
     if not records:

@@ -22,7 +22,6 @@ from dflash_trainer.errors import UserError
 from dflash_trainer.eval.metrics import EvalSummary, summarize
 from dflash_trainer.eval.prompts import prompt_groups
 from dflash_trainer.models.export import load_drafter
-from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import showing_progress
 from dflash_trainer.precision import dtype_label, eval_dtype, resolve_dtype
@@ -102,9 +101,7 @@ def _decoding(
     bar over `total` `unit`s named `desc`."""
     with (
         _eval_mode(target.model, drafter),
-        packed_linears(
-            target.model, target.lm_head, cast(nn.Module | None, drafter), enabled=packed
-        ),
+        target.decoding(cast(nn.Module | None, drafter), packed=packed),
         showing_progress(total, desc=desc, unit=unit, enabled=progress) as bar,
     ):
         yield bar

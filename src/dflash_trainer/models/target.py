@@ -19,6 +19,8 @@ import copy
 import inspect
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ from torch import nn
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import UserError
 from dflash_trainer.models import embedded, kv_cache
+from dflash_trainer.models.lean_forward import LeanForward, lean_forward
+from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target_layout import has_windowed_layers
 from dflash_trainer.precision import resolve_dtype
 
@@ -171,6 +175,7 @@ class TargetModel:
         self._windowed = has_windowed_layers(hf.config)  # takes_4d_mask
         self._cache_kw = kv_cache.cache_kwarg(model)
         self._state = threading.local()
+        self._lean: LeanForward | None = None  # inside `decoding`, where the target fits it
         self._hooks = [
             self._layers[lid].register_forward_hook(self._make_hook(k))
             for k, lid in enumerate(self.layer_ids)
@@ -412,7 +417,19 @@ class TargetModel:
         """One decoding forward through the LM head: ids [B, Q] at `positions` [B, Q], extending
         the KV `cache` (models/kv_cache.py) -> (logits [B, Q or logits_to_keep, V], the tapped
         features [B, Q, n*H] when `taps`, else None). The features come from the same hooks as
-        `features` (one tap mechanism); `attention_mask` [B, cached + Q] for left-padded rows."""
+        `features` (one tap mechanism); `attention_mask` [B, cached + Q] for left-padded rows.
+        Inside `decoding`, a Llama-shaped float32 CPU target runs models/lean_forward.py."""
+        lean = self._lean
+        if lean is not None and kv_cache.all_growing(cache):
+            with torch.no_grad():
+                return lean(
+                    ids,
+                    positions,
+                    cache,
+                    taps=taps,
+                    attention_mask=attention_mask,
+                    logits_to_keep=logits_to_keep,
+                )
         if taps:
             self._begin(stop=False)
         try:
@@ -430,6 +447,22 @@ class TargetModel:
         if taps and feats is None:
             raise RuntimeError("a tapped layer did not run; the model skipped a decoder layer")
         return out.logits, feats
+
+    @contextmanager
+    def decoding(self, *others: nn.Module | None, packed: bool = True) -> Iterator[None]:
+        """Inside: decoding on CPU in float32 runs on the kernels made for it
+        (target.packed_linear): a Llama-shaped target's `forward` as one lean pass over stacked,
+        prepacked weights (models/lean_forward.py), any other's linear layers on oneDNN's
+        prepacked GEMM (models/packed_linear.py), and so the LM head and the linear layers of
+        `others` (a drafter). `packed=False`: nothing changes. Restored on exit."""
+        lean = lean_forward(self.model, self.layer_ids) if packed else None
+        mine = (self.lm_head,) if lean is not None else (self.model, self.lm_head)
+        with packed_linears(*mine, *others, enabled=packed):
+            outer, self._lean = self._lean, lean or self._lean
+            try:
+                yield
+            finally:
+                self._lean = outer
 
     def cast(self, dtype: torch.dtype) -> TargetModel:
         """This target computing in `dtype` (evaluation's eval.dtype): itself when it already
