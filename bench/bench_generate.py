@@ -8,9 +8,10 @@
   ours, cat cache the same as ours with transformers' DynamicCache, which grows by concatenation
                   (every step rereads and rewrites the whole cache) instead of ours
                   (models/kv_cache.py), which writes each step's keys into preallocated buffers
-  ours packed     the same, inside packed_linears (models/packed_linear.py): oneDNN's prepacked
-                  GEMM, what `generate` runs on a float32 CPU target (target.packed_linear); the
-                  packing itself (once per call) is inside the timed span
+  ours packed     the same, inside `TargetModel.decoding` (target.packed_linear): what `generate`
+                  runs on a float32 CPU target, here the lean forward over stacked, prepacked
+                  weights (models/lean_forward.py); the packing itself (once per call) is inside
+                  the timed span
 
 Greedy, fp32, the same prompts (a seeded sample of the embedded set, mixed lengths) and
 max_new_tokens for all three; tokens counted up to and including the stop id. Prints tokens/s of
@@ -41,7 +42,6 @@ from dflash_trainer.data import embedded
 from dflash_trainer.data.chat import Rendering, prompt_messages
 from dflash_trainer.data.generate import decode_batch
 from dflash_trainer.decode import loop
-from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.precision import cpu_kind
 
@@ -139,7 +139,7 @@ def main() -> None:
         ("ours_packed", lambda b: _greedy(target, b, n, pad)),
     ):
         t0 = time.perf_counter()
-        with packed_linears(target.model, enabled=name == "ours_packed"):
+        with target.decoding(packed=name == "ours_packed"):
             runs[name] = [r for i in range(0, len(rows), bsz) for r in fn(rows[i : i + bsz])]
         times[name] = time.perf_counter() - t0
     for b in [int(x) for x in args.sweep.split(",") if x]:
@@ -233,7 +233,7 @@ def bench_rows(s: dict) -> list[dict]:
         ),
         bench_harness.row(
             "answer generation, embedded target",
-            "ours, packed linears (the decode loops' CPU fp32 path)",
+            "ours, TargetModel.decoding (the decode loops' CPU fp32 path: lean forward, packed)",
             "ours, default kernels",
             s["packed_vs_ours"],
             note=f"{s['tok_s']['ours_packed']} vs {s['tok_s']['ours']} tok/s, packing included",
