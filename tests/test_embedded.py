@@ -92,6 +92,19 @@ def test_conversion_is_atomic_and_runs_once(monkeypatch, tmp_path):
     assert embedded_target_dir(str(tmp_path)) == out and len(calls) == 2  # cached: no rerun
 
 
+def test_target_location_is_where_every_loader_reads_the_target(monkeypatch, tmp_path):
+    """The converted directory for the embedded name, a local directory made absolute, a Hub
+    id as given: what TargetModel.load and every engine read."""
+    monkeypatch.setattr(embedded, "smollm2_gguf_path", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(embedded, "_convert_gguf", _fake_convert([]))
+    converted = embedded.target_location("embedded:smollm2", str(tmp_path / "cache"))
+    assert converted == str(embedded_target_dir(str(tmp_path / "cache")))
+    (tmp_path / "local").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert embedded.target_location("local") == str(tmp_path / "local")
+    assert embedded.target_location("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+
+
 def test_conversion_race_keeps_the_winner(monkeypatch, tmp_path):
     """Another process finished first: our rename fails, its result is used, our tmp removed."""
     monkeypatch.setattr(embedded, "smollm2_gguf_path", lambda: tmp_path / "fake.gguf")

@@ -20,8 +20,9 @@ from dflash_trainer.eval.engines import DecodeEngine, EvalRun, ProjectLoop
 from dflash_trainer.eval.parity import PARITY_TOLERANCE, parity_gate
 from dflash_trainer.eval.reference import ReferenceLoop
 from dflash_trainer.eval.served import ServedLoop
+from dflash_trainer.models.embedded import target_location
 from dflash_trainer.models.export import load_drafter
-from dflash_trainer.models.vllm_engine import VLLMEngine, engine_target
+from dflash_trainer.models.vllm_engine import VLLMEngine
 from memorised import BLOCK, NEW_TOKENS
 from test_vllm_parity import vllm_python
 
@@ -37,7 +38,12 @@ def test_project_reference_and_served_engines_agree_through_one_interface(memori
     others: list[DecodeEngine] = [ReferenceLoop(m.export_dir, m.target.model, stop, False)]
     python, why = vllm_python()
     if python is not None:
-        engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
+        engine = VLLMEngine(
+            python,
+            target_location(m.cfg.target.model, m.cfg.target.cache_dir),
+            dtype="float32",
+            threads=2,
+        )
         others.append(ServedLoop(engine, m.export_dir, stop))
     with torch.inference_mode():
         s = ours.decode(m.prompt_ids, NEW_TOKENS, BLOCK)

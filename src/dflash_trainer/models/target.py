@@ -37,8 +37,6 @@ from dflash_trainer.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_PREFIX = "embedded:"
-
 
 def tap_layer_ids(num_layers: int, num_taps: int) -> list[int]:
     """The DFlash rule: `num_taps` 0-based layer ids spread from layer 1 to layer L-3.
@@ -230,14 +228,7 @@ class TargetModel:
 
         name = target_cfg.model
         common = _common_load_kwargs(target_cfg)  # checked before converting an embedded model
-        if name.startswith(EMBEDDED_PREFIX):
-            path = str(
-                embedded.embedded_target_dir(
-                    target_cfg.cache_dir, which=name[len(EMBEDDED_PREFIX) :]
-                )
-            )
-        else:
-            path = name
+        path = embedded.target_location(name, target_cfg.cache_dir)
         dtype = dtype or resolve_dtype(target_cfg.dtype, device)
         trc = bool(target_cfg.trust_remote_code)
         if trc:
@@ -513,7 +504,7 @@ def _common_load_kwargs(target_cfg: TargetConfig) -> dict:
     revision = target_cfg.revision
     if revision:
         model = target_cfg.model
-        if model.startswith(EMBEDDED_PREFIX) or Path(model).expanduser().is_dir():
+        if model.startswith(embedded.EMBEDDED_PREFIX) or Path(model).expanduser().is_dir():
             # from_pretrained would ignore it, and training.json would record a revision that
             # was never used
             raise UserError(

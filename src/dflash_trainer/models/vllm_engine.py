@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config import Config, SamplingConfig, TargetConfig
+from dflash_trainer.config import Config, SamplingConfig
 from dflash_trainer.errors import UserError
+from dflash_trainer.models.embedded import target_location
 
 log = logging.getLogger(__name__)
 
@@ -143,24 +144,11 @@ def vllm_unavailable(python: Path | None) -> str | None:
     return None
 
 
-def engine_target(target_cfg: TargetConfig) -> str:
-    """The target as an engine loads it: the converted directory for the embedded target (an
-    engine cannot read `embedded:smollm2`, and the original Hub checkpoint is not the de-quantised
-    model the drafter was trained on), an absolute path for a local directory, else the Hub id."""
-    model = str(target_cfg.model)
-    if model.startswith("embedded:"):
-        from dflash_trainer.models.embedded import embedded_target_dir
-
-        return str(embedded_target_dir(target_cfg.cache_dir, model.split(":", 1)[1]))
-    if Path(model).expanduser().is_dir():
-        return str(Path(model).expanduser().resolve())
-    return model
-
-
 def engine_for_config(cfg: Config, dtype: str, required: str = "") -> tuple[VLLMEngine | None, str]:
-    """(a VLLMEngine serving the run's target (engine_target, at its pinned revision; none for
-    the embedded target, a local directory) in `dtype` with the run's CPU threads, "") where
-    vLLM can run; else (None, why), or with `required` (what needs it) a UserError naming both."""
+    """(a VLLMEngine serving the run's target (embedded.target_location, at its pinned
+    revision; none for the embedded target, a local directory) in `dtype` with the run's CPU
+    threads, "") where vLLM can run; else (None, why), or with `required` (what needs it) a
+    UserError naming both."""
     python = find_vllm_python(cfg.eval.vllm_python)
     why = vllm_unavailable(python)
     if why or python is None:
@@ -170,7 +158,11 @@ def engine_for_config(cfg: Config, dtype: str, required: str = "") -> tuple[VLLM
     model = str(cfg.target.model)
     revision = None if model.startswith("embedded:") else (cfg.target.revision or None)
     engine = VLLMEngine(
-        python, engine_target(cfg.target), dtype, revision, threads=cfg.pipeline.cpu_threads
+        python,
+        target_location(model, cfg.target.cache_dir),
+        dtype,
+        revision,
+        threads=cfg.pipeline.cpu_threads,
     )
     return engine, ""
 
@@ -180,7 +172,7 @@ class VLLMEngine:
     """vLLM's offline engine in its own environment (one subprocess per `run`)."""
 
     python: Path
-    target: str  # engine_target(): a directory or a Hub id
+    target: str  # embedded.target_location(): a directory or a Hub id
     dtype: str = "float32"  # the engine's dtype (the draft runs in the target's dtype)
     revision: str | None = None
     max_model_len: int = 4096
