@@ -251,7 +251,7 @@ class TargetConfig:
         "CPU float32 decoding (evaluation, answer generation, prompt synthesis) on kernels made "
         "for it, the weights packed once per job (a second copy of them meanwhile): a "
         "Llama-shaped target (Llama, Mistral, Qwen2, Qwen3) decodes through one lean forward "
-        "over stacked prepacked weights (models/lean_forward.py; single-stream greedy 1.96x "
+        "over stacked prepacked weights (models/lean_forward.py; single-stream greedy 2.00x "
         "transformers' generate on a 2-core EPYC under AVX2), other targets' and the drafter's "
         "linear layers run oneDNN's prepacked GEMM (models/packed_linear.py); false = "
         "transformers' forward on PyTorch's default kernels",

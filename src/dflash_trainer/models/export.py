@@ -30,6 +30,7 @@ from dflash_trainer.errors import UserError
 from dflash_trainer.files import replace_dir
 from dflash_trainer.models import rope, variants
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.embedded import EMBEDDED_PREFIX
 from dflash_trainer.precision import DTYPE_NAMES, DTYPES
 
 CONFIG_NAME = "config.json"
@@ -260,7 +261,7 @@ def training_record(config: dict, *, step: int | None = None, source: str | None
 
     t = config.get("target", {}) or {}
     model = t.get("model")
-    embedded = str(model or "").startswith("embedded:")
+    embedded = str(model or "").startswith(EMBEDDED_PREFIX)
     local = bool(model) and not embedded and Path(str(model)).is_dir()
     revision = t.get("revision") or None
     commit = _hub_commit(model, revision) if model and not local and not embedded else None

@@ -26,7 +26,7 @@ from typing import Any
 
 from dflash_trainer.config import Config, SamplingConfig
 from dflash_trainer.errors import UserError
-from dflash_trainer.models.embedded import target_location
+from dflash_trainer.models.embedded import EMBEDDED_PREFIX, target_location
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def engine_for_config(cfg: Config, dtype: str, required: str = "") -> tuple[VLLM
             raise UserError(f"{required}: {why}")
         return None, str(why)
     model = str(cfg.target.model)
-    revision = None if model.startswith("embedded:") else (cfg.target.revision or None)
+    revision = None if model.startswith(EMBEDDED_PREFIX) else (cfg.target.revision or None)
     engine = VLLMEngine(
         python,
         target_location(model, cfg.target.cache_dir),
