@@ -196,3 +196,62 @@ def test_async_write_failure_is_raised_in_the_caller(tmp_path, monkeypatch):
         w.wait()
     assert latest_checkpoint(tmp_path).name == "step-0000001"
     assert w.wait() is None  # reported once
+
+
+# ------------------------------------------------------------------ the sample ledger
+
+
+def _ledger_rows(run_dir):
+    import json
+
+    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+
+
+def test_a_kill_between_checkpoint_and_ledger_append_loses_no_ledger_entry(tmp_path, monkeypatch):
+    """`latest` names step 2 but the process died before the writer appended step 2's ledger
+    entries (the window the SIGKILL test can land in): the resume appends them from the
+    checkpoint's own ledger.json, once."""
+    from dflash_trainer import checkpoint as C
+
+    model, opt, sched, gen = _parts()
+    w = C.AsyncCheckpointWriter(tmp_path, keep_last=3)
+    w.submit(_snap(1, model, opt, sched, gen, ledger=[(0, [0, 1]), (0, [2])]))
+    w.wait()
+    monkeypatch.setattr(C, "append_ledger", lambda *a, **k: None)  # killed right after `latest`
+    w.submit(_snap(2, model, opt, sched, gen, ledger=[(0, [3]), (1, [4, 5])]))
+    w.wait()
+    assert latest_checkpoint(tmp_path).name == "step-0000002"
+    assert [r["samples"] for r in _ledger_rows(tmp_path)] == [[0, 1], [2]]
+    monkeypatch.undo()
+    for _ in range(2):  # idempotent: a second resume from the same checkpoint adds nothing
+        C.reconcile_ledger(tmp_path, latest_checkpoint(tmp_path))
+        rows = _ledger_rows(tmp_path)
+        assert [(r["epoch"], r["samples"], r["step"]) for r in rows] == [
+            (0, [0, 1], 1),
+            (0, [2], 1),
+            (0, [3], 2),
+            (1, [4, 5], 2),
+        ]
+
+
+def test_reconcile_drops_a_torn_line_and_lines_past_the_checkpoint(tmp_path):
+    from dflash_trainer import checkpoint as C
+
+    model, opt, sched, gen = _parts()
+    w = C.AsyncCheckpointWriter(tmp_path, keep_last=3)
+    for step, ids in ((1, [0]), (2, [1]), (3, [2])):
+        w.submit(_snap(step, model, opt, sched, gen, ledger=[(0, ids)]))
+    w.wait()
+    with open(tmp_path / "ledger.jsonl", "a") as f:
+        f.write('{"epoch": 0, "samp')  # a kill mid-append
+    C.reconcile_ledger(tmp_path, tmp_path / "checkpoints" / "step-0000003")
+    assert [r["samples"] for r in _ledger_rows(tmp_path)] == [[0], [1], [2]]
+    # a resume from the older checkpoint trains step 3's batches again: their line goes
+    C.reconcile_ledger(tmp_path, tmp_path / "checkpoints" / "step-0000002")
+    assert [r["samples"] for r in _ledger_rows(tmp_path)] == [[0], [1]]
+    # a checkpoint of another run leaves this run's ledger alone
+    other = C.write_checkpoint(
+        tmp_path / "other", _snap(5, model, opt, sched, gen, [(0, [9])]), keep_last=1
+    )
+    C.reconcile_ledger(tmp_path, other)
+    assert [r["samples"] for r in _ledger_rows(tmp_path)] == [[0], [1]]

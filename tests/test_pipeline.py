@@ -35,8 +35,10 @@ def assert_resumed_exactly(full, res, first: int, epochs: int = 3) -> None:
     for step in lr:
         assert lr[step] == pytest.approx(lf[step], rel=1e-5, abs=1e-6), step
     ledger = _ledger(res.run_dir)
+    lines = (res.run_dir / "ledger.jsonl").read_text()  # shown whole when a check fails
     for epoch in range(epochs):
-        assert sorted(s for e, s in ledger if e == epoch) == list(range(len(tiny_dataset())))
+        got = sorted(s for e, s in ledger if e == epoch)
+        assert got == list(range(len(tiny_dataset()))), (epoch, lines)
 
 
 @pytest.mark.parametrize("schedule", ["pipelined", "sequential"])
@@ -93,6 +95,32 @@ def test_resume_from_background_checkpoint_after_a_crash_matches_uninterrupted(t
     assert latest_checkpoint(tmp_path / "run2" / "run").name == "step-0000008"
     cfg = tiny_config(tmp_path / "run2", **over, **{"checkpoint.resume": True})
     res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
+    assert_resumed_exactly(full, res, first=9)
+
+
+def test_resume_after_a_kill_before_the_ledger_append_holds_every_sample(tmp_path, monkeypatch):
+    """The process dies after `latest` names step 8 and before the writer appends step 8's
+    ledger entries: the resume restores them from the checkpoint, and the ledger holds every
+    sample once per epoch."""
+    from dflash_trainer import checkpoint as C
+
+    full = _run(tmp_path / "full", **{"optim.epochs": 3})
+    over = {"optim.epochs": 3, "checkpoint.every_steps": 4}
+    append = C.append_ledger
+
+    def killed_at_8(run_dir, entries, step):
+        if step != 8:
+            append(run_dir, entries, step)
+
+    monkeypatch.setattr(C, "append_ledger", killed_at_8)
+    with pytest.raises(StageError, match="injected fault in stage 'drafter' at step 10"):
+        _run(tmp_path / "run2", **over, **{"pipeline.fault": "drafter:10"})
+    monkeypatch.undo()
+    rows = _ledger(tmp_path / "run2" / "run")
+    assert C.latest_checkpoint(tmp_path / "run2" / "run").name == "step-0000008"
+    cfg = tiny_config(tmp_path / "run2", **over, **{"checkpoint.resume": True})
+    res = train(cfg, target=tiny_target(), train_set=tiny_dataset())
+    assert len(_ledger(res.run_dir)) > len(rows)
     assert_resumed_exactly(full, res, first=9)
 
 

@@ -6,11 +6,14 @@ Layout under `{run_dir}/checkpoints/`:
         drafter.safetensors     trainable drafter weights
         optimizer.pt            optimizer + scheduler + RNG state (tensors only: weights_only load)
         state.json              step, data position, resolved config
+        ledger.json             the (epoch, sample ids) of the batches since the previous one
         export/                 the drafter in the published DFlash format
     latest                  text file naming the newest complete checkpoint (atomic replace)
 
-The sample ledger is not in a checkpoint: it is `{run_dir}/ledger.jsonl`, one line per batch,
-appended by the writer once the checkpoint that covers those batches is on disk.
+The sample ledger of the run is `{run_dir}/ledger.jsonl`, one line per batch tagged with the
+checkpoint that covers it, appended by the writer once that checkpoint is on disk. A process
+killed between the two leaves the ledger behind `latest`: a resume first makes the ledger agree
+with the checkpoint it starts from (`reconcile_ledger`, from the checkpoint's own ledger.json).
 
 A checkpoint is written to `step-N.tmp-<pid>/`, fsynced, then renamed: a crash (SIGKILL, full disk)
 mid-write leaves the previous checkpoint and `latest` intact.
@@ -172,6 +175,7 @@ def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int, expor
         save_file(snap.weights, str(tmp / "drafter.safetensors"))
         torch.save(snap.blob, tmp / "optimizer.pt")
         _write_json(tmp / "state.json", snap.meta)
+        _write_json(tmp / "ledger.json", [[epoch, ids] for epoch, ids in snap.ledger])
         if export_fn is not None:
             export_fn(tmp / "export", snap.weights, snap.step)
         for f in tmp.iterdir():
@@ -222,16 +226,49 @@ def save_checkpoint(
     return write_checkpoint(run_dir, snap, keep_last=keep_last, export_fn=export_fn)
 
 
-def append_ledger(run_dir, entries: list) -> None:
-    """The ledger entries a checkpoint on disk covers, appended to {run_dir}/ledger.jsonl and
+def append_ledger(run_dir, entries: list, step: int) -> None:
+    """The ledger entries checkpoint `step` covers, appended to {run_dir}/ledger.jsonl and
     fsynced: the ledger never runs ahead of a complete checkpoint."""
     if not entries:
         return
     with open(RunLayout.of(run_dir).ledger, "a", encoding="utf-8") as f:
         for epoch, ids in entries:
-            f.write(json.dumps({"epoch": epoch, "samples": ids}) + "\n")
+            f.write(json.dumps({"epoch": epoch, "samples": ids, "step": step}) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def reconcile_ledger(run_dir, path: Path) -> None:
+    """Make `{run_dir}/ledger.jsonl` cover exactly the batches up to checkpoint `path` of this
+    run, before a resume from it appends more: lines of later checkpoints go (a resume from an
+    older one trains those batches again), a line torn by a kill goes, and the checkpoint's own
+    entries are appended when the process died before the writer appended them."""
+    if path.resolve().parent != ckpt_root(run_dir).resolve():
+        return  # a checkpoint of another run: this run's ledger starts with its own batches
+    step = step_of(path)
+    layout = RunLayout.of(run_dir)
+    kept: list[str] = []
+    covered = False
+    lines = (
+        layout.ledger.read_text(encoding="utf-8").splitlines() if layout.ledger.is_file() else []
+    )
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last line, cut short by a kill mid-append
+        at = row.get("step")
+        if at is not None and step is not None and at > step:
+            continue
+        covered = covered or at == step
+        kept.append(line)
+    own = path / "ledger.json"
+    if not covered and step is not None and own.is_file():
+        entries = json.loads(own.read_text(encoding="utf-8"))
+        kept += [json.dumps({"epoch": e, "samples": ids, "step": step}) for e, ids in entries]
+    if kept != lines:
+        log.info("ledger.jsonl made to agree with %s (%d lines)", path, len(kept))
+        write_atomic(layout.ledger, "".join(line + "\n" for line in kept))
 
 
 class AsyncCheckpointWriter:
@@ -269,7 +306,7 @@ class AsyncCheckpointWriter:
             path = write_checkpoint(
                 self.run_dir, snap, keep_last=self.keep_last, export_fn=self.export_fn
             )
-            append_ledger(self.run_dir, snap.ledger)
+            append_ledger(self.run_dir, snap.ledger, snap.step)
             if self.on_done is not None:
                 self.on_done(path, snap)
             self._result = (path, None)

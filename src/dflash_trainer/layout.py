@@ -2,7 +2,7 @@
 
 RUN_DIR/
   metrics.jsonl          every logged scalar (observe/sinks.py)
-  ledger.jsonl           one line per checkpoint written (checkpoint.py)
+  ledger.jsonl           one line per batch trained, tagged with its checkpoint (checkpoint.py)
   train.log              the run's log (train.rank<R>.log on other ranks)
   checkpoints/           step-NNNNNNN/ and `latest` (checkpoint.py)
   export/                the published-format drafter of the last step (models/export.py)

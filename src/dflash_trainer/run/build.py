@@ -415,6 +415,8 @@ def build_run(
         held = dict(drafter=drafter, optimizer=optimizer, scheduler=scheduler, generator=generator)
         stateful = {"anchor_policy": policy} if policy is not None else None
         state = ckpt.restore(plan, **held, config=config_dict, stateful=stateful)
+        if rank == 0:
+            ckpt.reconcile_ledger(run_dir, plan.path)
     embed_weight, lm_head = drafter_heads(target, drafter, device, autocast)
     return RunParts(
         cfg=cfg,
