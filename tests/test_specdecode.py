@@ -807,11 +807,78 @@ def test_adaptive_verify_is_lossless_and_verifies_less(p_wrong):
         verify="adaptive",
     )
     assert ad.tokens == ar.tokens == full.tokens
-    assert all(2 <= q <= 16 for q in ad.block_sizes[:-1])
+    # a cycle verifies at most the whole block; q = 1 is a plain step (the gate, timed)
+    assert all(1 <= q <= 16 for q in ad.block_sizes[:-1])
     if p_wrong == 0.0:
         assert ad.acceptance_lengths == full.acceptance_lengths  # never capped
     if p_wrong >= 0.7:
         assert sum(ad.block_sizes) < 0.6 * sum(full.block_sizes)
+
+
+def test_adaptive_verify_gate_holds_drafting_off_while_plain_steps_are_faster():
+    """Seconds per cycle as a 2-core CPU measures them (plain step 17 ms, a drafting cycle
+    27 ms): a drafter making 1.37 tokens a cycle is held off, one making 3 is not."""
+    w = AdaptiveVerify(15, window=4, backoff=3, max_backoff=8)
+    for _ in range(4):  # a drafter that clearly pays: never interrupted, nothing measured
+        w.update(3, 4, 0.030)
+    assert w.drafts() == 5 and w.step_s is None  # the window's own cap: 3 + margin 2
+    w = AdaptiveVerify(15, window=4, backoff=3, max_backoff=8)
+    for a in (0, 1, 0, 0):  # fewer than probe_below tokens a cycle: measure a plain step
+        assert w.drafts() > 0
+        w.update(a, w.drafts(), 0.027)
+    for _ in range(3):
+        assert w.drafts() == 0
+        w.update(0, 0, 0.017)
+    assert w.step_s == pytest.approx(0.017) and w.drafts() == 3  # drafting is tried again
+    for a in (1, 0, 0, 1):  # 1.5 tokens a cycle in 27 ms < 1 token in 17 ms: held off longer
+        w.update(a, w.drafts(), 0.027)
+    held = 0
+    while w.drafts() == 0:
+        w.update(0, 0, 0.017)
+        held += 1
+    assert held == 6
+    for _ in range(4):  # now it pays (3 tokens in 30 ms): the next hold-off starts short again
+        w.update(2, w.drafts(), 0.030)
+    assert w.drafts() > 0 and w.backoff == 3
+
+
+@pytest.mark.parametrize("p_wrong", [0.0, 1.0])
+def test_adaptive_verify_plain_stretches_are_lossless_and_feed_the_drafter(monkeypatch, p_wrong):
+    """On a clock where the drafter's pass costs more than a plain step (each clock read 1 s,
+    the drafter 3 s), a drafter that is always wrong decodes mostly in plain steps, tries
+    drafting again after each stretch, and still sees every committed position's features
+    once, in order (OracleDrafter checks them against one full forward); one that is always
+    right is never held off. Tokens are plain greedy's either way."""
+    from dflash_trainer.decode import loop as loop_mod
+
+    now = [0.0]
+
+    def tick(self):
+        now[0] += 1.0
+        return now[0]
+
+    class CostlyDrafter(OracleDrafter):
+        def forward_infer(self, *a, **kw):
+            now[0] += 3.0
+            return super().forward_infer(*a, **kw)
+
+    monkeypatch.setattr(loop_mod._Clock, "__call__", tick)
+    model = tiny_target("llama")
+    ids = torch.tensor([[5, 17, 42, 9]])
+    ar = ar_generate(model, ids, 120)
+    ref = full_taps(model, torch.cat([ids, torch.tensor([ar.tokens])], 1))
+    drafter = CostlyDrafter(ar.tokens, 4, 16, p_wrong=p_wrong, ref_feats=ref, seed=1)
+    ad = run_spec(model, drafter, ids, 120, 16, verify="adaptive")
+    assert ad.tokens == ar.tokens
+    qs = ad.block_sizes
+    if p_wrong == 0.0:
+        full = run_spec(model, OracleDrafter(ar.tokens, 4, 16), ids, 120, 16)
+        assert ad.acceptance_lengths == full.acceptance_lengths and 1 not in qs[:-1]
+        return
+    plain = sum(q == 1 for q in qs)
+    assert plain > 2 * (len(qs) - plain), qs  # mostly plain steps
+    resumed = [i for i in range(1, len(qs)) if qs[i - 1] == 1 and qs[i] > 1]
+    assert len(resumed) >= 2, qs  # drafting was tried again after a stretch, more than once
 
 
 def test_adaptive_verify_lossless_with_a_real_drafter():

@@ -725,8 +725,10 @@ class EvalConfig:
         "full",
         "`eval` command: how many drafts each cycle verifies. full = the whole block (the "
         "published loop; tau is the drafter's acceptance length); adaptive = as many as the "
-        "drafter reached lately, doubling when all are accepted: the same tokens, faster on "
-        "CPUs, where a verify pass costs with its length (tau is then capped tokens per cycle)",
+        "drafter reached lately, doubling when all are accepted, and none (plain steps, timed "
+        "against the drafting cycles) while drafting makes fewer tokens per second than plain "
+        "decoding: the same tokens, faster on CPUs, where a verify pass costs with its length "
+        "(tau is then tokens per cycle, plain steps included)",
         choices=("full", "adaptive"),
     )
     sampling: SamplingConfig = _section(

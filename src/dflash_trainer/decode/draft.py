@@ -110,26 +110,80 @@ def commit(new: list[int], remaining: int, stop: set[int]) -> tuple[list[int], b
 
 
 class AdaptiveVerify:
-    """How many drafts the next cycle verifies (`eval.verify=adaptive`).
+    """How many drafts the next cycle verifies (`eval.verify=adaptive`), none while drafting
+    does not pay for its time.
 
-    On a CPU the target's verify pass costs with the number of positions it scores (measured on
-    2 cores: 1 position 60 ms, 2-8 positions ~110 ms, 16 positions ~150 ms), so verifying 15
-    drafts when the drafter gets 2 right pays for 13 positions that are thrown away. Verifying
-    fewer is lossless (every emitted token is still the target's choice); it only caps a
-    cycle's tokens. The cap follows the drafter: the most drafts accepted over the last
-    `window` cycles plus `margin`, doubled whenever a cycle accepts every verified draft (the
-    drafter may reach further). It starts at the whole block. On GPUs a verify pass costs the
-    same for 16 positions as for 2, so `full` is right there.
+    On a CPU the target's verify pass costs with the number of positions it scores (the
+    embedded target in fp32 on 2 cores: 1 position 18.6 ms, 2-3 positions 20.6, 8 25, 16 36;
+    bench/LOG.md), so verifying 15 drafts when the drafter gets 2 right pays for 13 positions
+    that are thrown away. Verifying fewer is lossless (every emitted token is still the
+    target's choice); it only caps a cycle's tokens. The cap follows the drafter: the most
+    drafts accepted over the last `window` cycles plus `margin`, doubled whenever a cycle
+    accepts every verified draft (the drafter may reach further). It starts at the whole block.
+    On GPUs a verify pass costs the same for 16 positions as for 2, so `full` is right there.
+
+    The gate (when the loop reports each cycle's seconds): a cycle that drafts costs the
+    drafter's pass besides the verify, so where the drafter is often wrong (chat on a CPU: 1.37
+    tokens a cycle against the ~1.45 a cycle must make to beat plain steps) plain steps are
+    faster. Over each window of drafting cycles the gate compares their tokens per second with a
+    plain step's; where plain steps win, the next `backoff` cycles are plain (no drafter pass,
+    one position verified), after which drafting is tried again, the stretch doubling while it
+    keeps losing (up to `max_backoff`). A plain step's cost is first measured when a window made
+    fewer than `probe_below` tokens a cycle: a drafter that clearly pays is never interrupted.
+    Every cycle, plain or not, is lossless.
     """
 
-    def __init__(self, max_drafts: int, window: int = 8, margin: int = 2):
+    def __init__(
+        self,
+        max_drafts: int,
+        window: int = 8,
+        margin: int = 2,
+        backoff: int = 8,
+        max_backoff: int = 64,
+        probe_below: float = 3.0,
+    ):
         self.max_drafts, self.margin = max_drafts, margin
-        self.k = max_drafts
+        self.k = max_drafts  # drafts of the next drafting cycle
         self.recent: deque[int] = deque(maxlen=window)
+        self.first_backoff, self.backoff, self.max_backoff = backoff, backoff, max_backoff
+        self.probe_below = probe_below
+        self.drafting: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
+        self.step_s: float | None = None  # a plain step's seconds, once measured
+        self.plain_left = 0  # plain cycles before drafting is tried again
 
-    def update(self, accepted: int, verified: int) -> None:
+    def drafts(self) -> int:
+        """Drafts the next cycle verifies: 0 (a plain step) while the gate holds drafting off."""
+        return 0 if self.plain_left > 0 else self.k
+
+    def update(self, accepted: int, verified: int, seconds: float | None = None) -> None:
+        """After a cycle that verified `verified` drafts (0: a plain step) and accepted
+        `accepted` of them, in `seconds` (None: no timing, the window alone)."""
+        if verified == 0:
+            self.plain_left = max(0, self.plain_left - 1)
+            if seconds is not None:
+                self.step_s = seconds if self.step_s is None else (self.step_s + seconds) / 2
+            return
         self.recent.append(accepted)
         if accepted >= verified:
             self.k = min(self.max_drafts, 2 * verified)
         else:
             self.k = min(self.max_drafts, max(self.recent) + self.margin)
+        if seconds is None:
+            return
+        self.drafting.append((accepted + 1, seconds))
+        if len(self.drafting) < (self.drafting.maxlen or 1):
+            return
+        tokens = sum(n for n, _ in self.drafting)
+        spent = sum(t for _, t in self.drafting)
+        if self.step_s is None:
+            if tokens < self.probe_below * len(self.drafting):
+                self._hold_off()  # its first plain steps measure what a plain step costs
+        elif tokens * self.step_s < spent:
+            self._hold_off()
+        else:
+            self.backoff = self.first_backoff
+
+    def _hold_off(self) -> None:
+        self.plain_left = self.backoff
+        self.backoff = min(2 * self.backoff, self.max_backoff)
+        self.drafting.clear()  # the next drafting stretch is judged on its own cycles

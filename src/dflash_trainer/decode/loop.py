@@ -142,8 +142,9 @@ def decode(
     `stop_ids`: default the target's eos ids. `block_size` > 1: speculative decoding with
     `drafter` (one prompt); `verify`: "full" verifies every draft of the block (the published
     loop: tau is the drafter's acceptance length), "adaptive" as many as the drafter recently
-    reached (AdaptiveVerify: faster on CPUs, same tokens). `keep_features`: each result's
-    `features` are the target's taps of its prompt and committed tokens (no second prefill)."""
+    reached, and none while drafting does not pay for its time (AdaptiveVerify: faster on
+    CPUs, same tokens). `keep_features`: each result's `features` are the target's taps of its
+    prompt and committed tokens (no second prefill)."""
     rows = [[int(t) for t in p] for p in prompts]
     if not rows or any(not r for r in rows):
         raise ValueError("decode needs at least one prompt, each of at least one token")
@@ -275,7 +276,9 @@ class _Loop:
         # One slot more than the tokens still allowed, like the reference loop: the block's bonus
         # covers the last allowed token; whatever overshoots is clipped.
         q = min(self.block_size, remaining + 1)
-        k = q - 1 if self.window is None else min(q - 1, self.window.k)
+        k = q - 1 if self.window is None else min(q - 1, self.window.drafts())
+        if k == 0:  # a plain step (adaptive verify's gate): the drafter's context waits
+            return live.last[:, None], 0
         t = self.target
         block = draft_block(
             self.drafter, t.embed_weight, t.lm_head, live.last, self.start, self.ctx,
@@ -329,18 +332,20 @@ class _Loop:
             res = self.results[0]
             res.draft_time += tb - ta
             res.verify_time += tc - tb
+            if self.window is not None and keep:
+                self.window.update(a, k, tc - ta)
 
     def _advance_spec(self, live, choices, taps, n: int, a: int, k: int) -> None:
         """The speculative row after committing n tokens: the cache keeps the committed
         positions (the bonus token has no K/V yet: it is slot 0 of the next block)."""
-        if self.window is not None:
-            self.window.update(a, k)
         remove = self.cache.get_seq_length() - (self.start + n)
         if remove < 0:
             raise RuntimeError(f"target cache holds {self.cache.get_seq_length()} positions")
         if remove:
             self.cache.crop(-remove)
-        self.ctx = taps[:, :n]
+        # the taps of the committed tokens, after those no drafter pass has read yet (a cycle
+        # with no drafts ran none)
+        self.ctx = taps[:, :n] if k or self.ctx is None else torch.cat([self.ctx, taps[:, :n]], 1)
         live.last = choices[0, n - 1 : n]
         live.pos = live.pos + n
         self.start += n
