@@ -56,7 +56,8 @@ from dflash_trainer.run import rundir, train
 
 log = logging.getLogger("quality")
 VARIANTS = ("embedded", "synth-greedy", "synth-sampled", "raw-kd")
-CODE = "humaneval"  # adaptive verify (speedup) is measured on the code prompts
+# adaptive verify (speedup) is measured on the sources the speedup goals are stated on
+ADAPTIVE = ["mt-bench", "humaneval"]
 
 
 def say(msg: str) -> None:
@@ -79,8 +80,8 @@ def configure_final_eval(cfg, compare: str = "auto") -> None:
     eval/*): the reported prompts (data.report_sources; the preset names MT-Bench and HumanEval,
     where the goals are stated; [] = every held-out source) decoded by ours, plain greedy
     (speedup), the reference loop and, where vLLM is installed (`make quality` installs it),
-    vLLM serving the export; adaptive verify on the code prompts (speedup); tau_sim on every
-    reported prompt. `compare`: the engines beside ours, comma-separated, or auto (the reference
+    vLLM serving the export; adaptive verify on chat and code (ADAPTIVE: the speedup
+    goals are stated on them); tau_sim on every reported prompt. `compare`: the engines beside ours, comma-separated, or auto (the reference
     loop, and vLLM where installed)."""
     e = cfg.eval
     e.at_end, e.at_end_sources, e.at_end_baseline = True, list(cfg.data.report_sources), True
@@ -89,14 +90,14 @@ def configure_final_eval(cfg, compare: str = "auto") -> None:
         e.compare = ["reference"] + (["vllm"] if served else [])
     else:
         e.compare = [c for c in compare.split(",") if c]
-    e.at_end_adaptive = [CODE]
+    e.at_end_adaptive = list(ADAPTIVE)
 
 
 def heldout_checks(rec: dict) -> dict:
     """quality_summary.json's `heldout` from the end-of-run evaluation's eval/* record, per
     decoded source (those with eval/prompts/<source>): tau (ours, the reference loop, vLLM),
-    speedup over plain greedy with full verify and, on code, adaptive verify; tau_sim on every
-    reported prompt."""
+    speedup over plain greedy with full and adaptive verify; tau_sim on every reported
+    prompt."""
     out: dict = {}
     decoded = sorted(k.removeprefix("eval/prompts/") for k in rec if k.startswith("eval/prompts/"))
     for src in decoded:
@@ -105,8 +106,7 @@ def heldout_checks(rec: dict) -> dict:
         row["tau_vllm"] = rec.get(f"eval/tau_vllm/{src}")  # None where vLLM is not installed
         row.update(speedup=rec.get(f"eval/speedup/{src}"))
         row.update(lossless=rec.get(f"eval/lossless_line/{src}"))
-        if src == CODE:
-            row["speedup_adaptive"] = rec.get(f"eval/speedup_adaptive/{src}")
+        row["speedup_adaptive"] = rec.get(f"eval/speedup_adaptive/{src}")
         out[src] = row
         say(f"    {src}: {json.dumps(row)}")
     sims = {
