@@ -80,9 +80,9 @@ def configure_final_eval(cfg, compare: str = "auto") -> None:
     eval/*): the reported prompts (data.report_sources; the preset names MT-Bench and HumanEval,
     where the goals are stated; [] = every held-out source) decoded by ours, plain greedy
     (speedup), the reference loop and, where vLLM is installed (`make quality` installs it),
-    vLLM serving the export; adaptive verify on chat and code (ADAPTIVE: the speedup
-    goals are stated on them); tau_sim on every reported prompt. `compare`: the engines beside ours, comma-separated, or auto (the reference
-    loop, and vLLM where installed)."""
+    vLLM serving the export; adaptive verify on chat and code (ADAPTIVE: the speedup goals are
+    stated on them); tau_sim on every reported prompt. `compare`: the engines beside ours,
+    comma-separated, or auto (the reference loop, and vLLM where installed)."""
     e = cfg.eval
     e.at_end, e.at_end_sources, e.at_end_baseline = True, list(cfg.data.report_sources), True
     if compare == "auto":

@@ -117,7 +117,8 @@ def test_the_end_of_run_decode_follows_report_sources():
     cfg = load_config(preset="smollm2-quality")
     mod.configure_final_eval(cfg, "reference")
     assert cfg.eval.at_end_sources == ["mt-bench", "humaneval"] == cfg.data.report_sources
-    assert cfg.eval.compare == ["reference"] and cfg.eval.at_end_adaptive == ["mt-bench", "humaneval"]
+    assert cfg.eval.compare == ["reference"]
+    assert cfg.eval.at_end_adaptive == ["mt-bench", "humaneval"]
     cfg.data.report_sources = []
     mod.configure_final_eval(cfg, "reference")
     assert cfg.eval.at_end_sources == []  # [] = every reported source (run/evaluation.py)
