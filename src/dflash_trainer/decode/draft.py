@@ -126,13 +126,14 @@ class AdaptiveVerify:
     drafter's pass besides the verify, so where the drafter is often wrong (chat on a CPU: 1.37
     tokens a cycle against the ~1.45 a cycle must make to beat plain steps) plain steps are
     faster. Over each window of drafting cycles the gate compares their tokens per second with a
-    plain step's; where plain steps win, the next `backoff` cycles are plain (no drafter pass,
-    one position verified), after which drafting is tried again, the stretch doubling while it
-    keeps losing (up to `max_backoff`). A plain step's cost is first measured when a window made
-    fewer than `probe_below` tokens a cycle: a drafter that clearly pays is never interrupted
-    (2: a drafting cycle costs 1.4-1.6 plain steps on 2 CPU cores, about 1 on a GPU). Every
-    cycle, plain or not, is lossless. Measured on `make quality`'s drafter under AVX2 (bench/
-    LOG.md): chat 0.87x -> 0.94x of plain decoding, code 1.12x -> 1.12-1.18x.
+    plain step's; where plain steps win clearly (by `clear_loss`: a marginal window is noise,
+    and drafting's bursts are lost while it is held off), the next `backoff` cycles are plain
+    (no drafter pass, one position verified), after which drafting is tried again, the stretch
+    doubling while it keeps losing (up to `max_backoff`). A plain step's cost is first measured
+    when a window made fewer than `probe_below` tokens a cycle: a drafter that clearly pays is
+    never interrupted (2: a drafting cycle costs 1.4-1.6 plain steps on 2 CPU cores, about 1 on
+    a GPU). Every cycle, plain or not, is lossless. Measured on `make quality`'s drafter, AVX2
+    and native (bench/LOG.md).
     """
 
     def __init__(
@@ -143,12 +144,14 @@ class AdaptiveVerify:
         backoff: int = 8,
         max_backoff: int = 64,
         probe_below: float = 2.0,
+        clear_loss: float = 0.9,
     ):
         self.max_drafts, self.margin = max_drafts, margin
         self.k = max_drafts  # drafts of the next drafting cycle
         self.recent: deque[int] = deque(maxlen=window)
         self.first_backoff, self.backoff, self.max_backoff = backoff, backoff, max_backoff
         self.probe_below = probe_below
+        self.clear_loss = clear_loss  # hold off only where plain steps win by this much
         self.drafting: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
         self.step_s: float | None = None  # a plain step's seconds, once measured
         self.plain_left = 0  # plain cycles before drafting is tried again
@@ -180,7 +183,7 @@ class AdaptiveVerify:
         if self.step_s is None:
             if tokens < self.probe_below * len(self.drafting):
                 self._hold_off()  # its first plain steps measure what a plain step costs
-        elif tokens * self.step_s < spent:
+        elif tokens * self.step_s < self.clear_loss * spent:
             self._hold_off()
         else:
             self.backoff = self.first_backoff
