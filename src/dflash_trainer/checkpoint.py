@@ -175,7 +175,7 @@ def write_checkpoint(run_dir, snap: CheckpointSnapshot, *, keep_last: int, expor
         save_file(snap.weights, str(tmp / "drafter.safetensors"))
         torch.save(snap.blob, tmp / "optimizer.pt")
         _write_json(tmp / "state.json", snap.meta)
-        _write_json(tmp / "ledger.json", [[epoch, ids] for epoch, ids in snap.ledger])
+        _write_json(tmp / "ledger.json", snap.ledger)  # [[epoch, ids], ...]
         if export_fn is not None:
             export_fn(tmp / "export", snap.weights, snap.step)
         for f in tmp.iterdir():
@@ -226,6 +226,11 @@ def save_checkpoint(
     return write_checkpoint(run_dir, snap, keep_last=keep_last, export_fn=export_fn)
 
 
+def _ledger_line(epoch: int, ids: list[int], step: int) -> str:
+    """One ledger.jsonl line: a batch's epoch and sample ids, and the checkpoint covering it."""
+    return json.dumps({"epoch": epoch, "samples": ids, "step": step})
+
+
 def append_ledger(run_dir, entries: list, step: int) -> None:
     """The ledger entries checkpoint `step` covers, appended to {run_dir}/ledger.jsonl and
     fsynced: the ledger never runs ahead of a complete checkpoint."""
@@ -233,7 +238,7 @@ def append_ledger(run_dir, entries: list, step: int) -> None:
         return
     with open(RunLayout.of(run_dir).ledger, "a", encoding="utf-8") as f:
         for epoch, ids in entries:
-            f.write(json.dumps({"epoch": epoch, "samples": ids, "step": step}) + "\n")
+            f.write(_ledger_line(epoch, ids, step) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -265,7 +270,7 @@ def reconcile_ledger(run_dir, path: Path) -> None:
     own = path / "ledger.json"
     if not covered and step is not None and own.is_file():
         entries = json.loads(own.read_text(encoding="utf-8"))
-        kept += [json.dumps({"epoch": e, "samples": ids, "step": step}) for e, ids in entries]
+        kept += [_ledger_line(e, ids, step) for e, ids in entries]
     if kept != lines:
         log.info("ledger.jsonl made to agree with %s (%d lines)", path, len(kept))
         write_atomic(layout.ledger, "".join(line + "\n" for line in kept))
