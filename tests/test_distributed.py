@@ -276,6 +276,36 @@ def test_one_rank_failing_stops_the_other_naming_it(tmp_path):
     assert "rank 1" in line[-1] and "InjectedFault" in line[-1], line[-1]
 
 
+def test_the_store_host_waits_until_every_rank_has_the_failure_message():
+    """Rank 0 hosts the store: leaving before a peer read the failure would leave that peer
+    naming rank 0 instead of the rank that failed. A rank remembers the message once read."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dflash_trainer.pipeline.distributed import DistContext
+
+    port = _free_port()
+    wait = timedelta(seconds=10)
+    host = dist.TCPStore("127.0.0.1", port, 3, True, wait, wait_for_workers=False)
+    ranks = [
+        DistContext(r, 3, r, 3, "gloo", 10.0, store=dist.PrefixStore("dflash/", s))
+        for r, s in enumerate(
+            [host, *(dist.TCPStore("127.0.0.1", port, 3, False, wait) for _ in range(2))]
+        )
+    ]
+    assert ranks[1].peer_failure() is None
+    ranks[2].report_failure("InjectedFault: boom")
+    assert ranks[0].peer_failure() == "rank 2: InjectedFault: boom"
+    assert not ranks[0].await_failure_acks(0.2)  # rank 1 has not read it yet
+    assert ranks[1].await_failure_acks(0.0)  # only the store host waits
+    assert ranks[1].peer_failure() == "rank 2: InjectedFault: boom"
+    assert ranks[0].await_failure_acks(5.0)
+    ranks[1].store = None  # the store is gone: the message read before stays
+    assert ranks[1].peer_failure() == "rank 2: InjectedFault: boom"
+    assert ranks[2].peer_failure() is None  # its own failure
+
+
 # ------------------------------------------------------------------------------ resume
 def test_resume_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, two_rank):
     over = BASE

@@ -27,6 +27,10 @@ same number of optimizer steps. After every optimizer step each rank contributes
 Failure: the first rank that fails writes "rank R: <error>" to the store (first writer wins, by
 `store.add`). Every rank's supervisor checks that key once per tick and stops naming that rank;
 a rank whose own collective broke (its peer exited) reports the peer's message if one is there.
+Each rank counts itself once under `failure_acks` when it has the message (read or written), and
+rank 0, which hosts the store, waits for that count before it exits (`await_failure_acks`,
+bounded): otherwise a rank that had not read the message yet would find the store gone and
+could only name rank 0.
 Collectives have `pipeline.collective_timeout_s`, so a hung peer ends the wait; torchrun also
 tears the other ranks down when one exits non-zero. A failed rank leaves with `os._exit(1)` so
 that a thread still inside a collective cannot keep the process alive.
@@ -39,6 +43,7 @@ import json
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -55,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _FAILURE_KEY = "failure"
 _FAILURE_COUNT = "failure_count"
+_FAILURE_ACKS = "failure_acks"
 
 
 class PeerFailure(RuntimeError):
@@ -169,18 +175,53 @@ class DistContext:
         try:
             if self.store.add(_FAILURE_COUNT, 1) == 1:
                 self.store.set(_FAILURE_KEY, f"rank {self.rank}: {message}")
+            self._ack_failure()
         except Exception as e:  # the store host may be gone already
             log.warning("could not publish the failure to the other ranks: %s", e)
 
+    def _ack_failure(self) -> None:
+        """Count this rank, once, among those that have the failure message."""
+        if not self._hb.get("acked"):
+            self._hb["acked"] = True
+            self.store.add(_FAILURE_ACKS, 1)
+
     def peer_failure(self) -> str | None:
-        """The first failure any rank reported, unless it was this rank's."""
+        """The first failure any rank reported, unless it was this rank's. Once read, it is
+        remembered: the store may be gone by the next call."""
+        seen = self._hb.get("peer_failure")
+        if seen is not None:
+            return seen
         try:
             if not self.store.check([_FAILURE_KEY]):
                 return None
             msg = self.store.get(_FAILURE_KEY).decode()
+            self._ack_failure()
         except Exception as e:  # the store lives in rank 0 (or the torchrun agent)
             return f"rank 0 (rendezvous store host): unreachable ({type(e).__name__}: {e})"
-        return None if msg.startswith(f"rank {self.rank}:") else msg
+        if msg.startswith(f"rank {self.rank}:"):
+            return None
+        self._hb["peer_failure"] = msg
+        return msg
+
+    def await_failure_acks(self, timeout_s: float) -> bool:
+        """Rank 0 on its way out after a failure: wait (polling, at most `timeout_s`) until
+        every rank has the failure message, so that none finds the store gone before it could
+        read it. True when all have it; other ranks return at once."""
+        if not self.is_main:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.store.add(_FAILURE_ACKS, 0) >= self.world_size:
+                    return True
+            except Exception:  # the store is gone (torchrun's agent tore it down)
+                return False
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "not every rank read the failure within %.0f s; exiting anyway", timeout_s
+                )
+                return False
+            time.sleep(0.05)
 
     def explain_failure(self, err: BaseException) -> BaseException:
         """Called when this rank failed: if another rank failed first (e.g. this rank's

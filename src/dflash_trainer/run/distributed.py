@@ -28,6 +28,10 @@ from dflash_trainer.run.trainer import train
 
 log = logging.getLogger(__name__)
 
+# The longest rank 0 keeps the store up after a failure for ranks still to read it (they read it
+# within a monitor tick unless hung or killed).
+FAILURE_ACK_WAIT_S = 20.0
+
 
 def _prepare_data_rank0_first(cfg: Config, ctx: DistContext, target) -> dict:
     """Rank 0 reads, regenerates (embedded source) and tokenizes into the shared caches first;
@@ -77,6 +81,7 @@ def train_distributed(cfg: Config, **train_kwargs):
         err = ctx.explain_failure(e)
         log.error("rank %d: %s", ctx.rank, err, exc_info=not isinstance(err, StageError))
         print(f"dflash-trainer: rank {ctx.rank}: error: {err}", file=sys.stderr, flush=True)
+        ctx.await_failure_acks(min(ctx.timeout_s, FAILURE_ACK_WAIT_S))
         logging.shutdown()
         os._exit(1)
     ctx.close()
