@@ -201,6 +201,9 @@ class TauSim:
     `sampling`: the evaluation's (eval.sampling); at temperature > 0 each cycle's value is the
     engine rule's expected tokens (module docstring), and the target's final normed hidden
     states are cached beside the features.
+    `packed`: the replay's float32 CPU linear layers (the LM head, the drafter's) run oneDNN's
+    prepacked GEMM, as measured decoding does (target.packed_linear; models/packed_linear.py):
+    the drafts are the decode loop's, and a 16-row LM head costs a third (2-core AVX2 EPYC).
     """
 
     def __init__(
@@ -208,8 +211,9 @@ class TauSim:
         target: TargetModel,
         examples: Sequence[tuple[str, Sequence[int], int]],
         sampling: SamplingConfig | None = None,
+        packed: bool = True,
     ):
-        self.target = target
+        self.target, self.packed = target, packed
         self.examples = [(k, list(map(int, ids)), int(p)) for k, ids, p in examples]
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self._features: dict[str, torch.Tensor] = {}
@@ -286,9 +290,10 @@ class TauSim:
         try:
             lens: list[Sequence[float]] = []
             committed: list[list[int]] = []
-            with showing_progress(
-                len(todo), desc="tau_sim", unit="prompt", enabled=progress
-            ) as bar:
+            with (
+                self.target.decoding(drafter, packed=self.packed),
+                showing_progress(len(todo), desc="tau_sim", unit="prompt", enabled=progress) as bar,
+            ):
                 for key, ids, p in todo:
                     values, steps = self._replay(drafter, key, ids, p, max_new_tokens, block_size)
                     lens.append(values)

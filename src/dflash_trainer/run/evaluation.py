@@ -135,6 +135,7 @@ class PeriodicEval:
                 target,
                 [(e.id, e.ids, len(e.prompt)) for e in self.validation + self.report],
                 self.cfg.eval.sampling,
+                packed=self.cfg.target.packed_linear,
             )
             self._target = target
         return self._target
