@@ -21,8 +21,9 @@ def _same(ours, ref):
 
 
 def test_growing_layer_matches_dynamic_layer_op_by_op():
-    """Appends past several capacity doublings, crops (rejected drafts), rows leaving in a new
-    order, regrowth after a crop, and beam reordering: the same tensors as DynamicLayer's."""
+    """Appends past several capacity doublings, crops (rejected drafts), rows leaving in order
+    (compacted in place) and in a new order, regrowth after a crop, and beam reordering: the
+    same tensors as DynamicLayer's."""
     g = torch.Generator().manual_seed(0)
     ours, ref = GrowingLayer(), DynamicLayer()
     assert ours.get_seq_length() == 0
@@ -32,6 +33,8 @@ def test_growing_layer_matches_dynamic_layer_op_by_op():
         "add 16",
         "crop -9",
         "add 1",
+        "rows 0 1 3 4",
+        "add 2",
         "rows 3 0 2",
         "add 40",
         "crop -1",
@@ -44,7 +47,7 @@ def test_growing_layer_matches_dynamic_layer_op_by_op():
     ]:
         kind, *args = op.split()
         if kind == "add":
-            b = ref.keys.shape[0] if ref.is_initialized else 4
+            b = ref.keys.shape[0] if ref.is_initialized else 5
             k, v = _kv(g, b, int(args[0]))
             got, want = ours.update(k, v), ref.update(k, v)
             torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
@@ -80,6 +83,23 @@ def test_a_step_writes_in_place_and_does_not_copy_the_cache():
         k, v = layer.update(*_kv(g, 2, 1))
         assert k.data_ptr() == buf  # a view of the same buffer: nothing re-concatenated
     assert layer.get_seq_length() == 30
+
+
+def test_rows_leaving_in_order_move_in_place_and_keep_the_capacity():
+    layer, ref = GrowingLayer(), DynamicLayer()
+    g = torch.Generator().manual_seed(2)
+    for la in (layer, ref):
+        la.lazy_initialization(*_kv(g, 4, 1))
+    k, v = _kv(g, 4, 10)
+    layer.update(k, v), ref.update(k, v)
+    buf, cap = layer._k.data_ptr(), layer._k.shape[-2]
+    for la in (layer, ref):
+        la.batch_select_indices(torch.tensor([1, 3]))
+    assert layer._k.data_ptr() == buf and layer._k.shape[-2] == cap  # no copy to a new buffer
+    k, v = _kv(g, 2, 1)
+    got, want = layer.update(k, v), ref.update(k, v)
+    assert layer._k.data_ptr() == buf  # and none at the next step
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

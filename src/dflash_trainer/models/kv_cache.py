@@ -89,10 +89,30 @@ class GrowingLayer(DynamicLayer):
         """Keep batch rows `index` (in that order), copying only the filled positions."""
         if not self.is_initialized or self._k is None or self._v is None:
             return
+        if self._k.device.type == "cpu" and self._compact(index.tolist()):
+            return
         index = index.to(self._k.device)
         self._k = self._k[index, ..., : self._len, :].contiguous()
         self._v = self._v[index, ..., : self._len, :].contiguous()
         self._expose()
+
+    def _compact(self, rows: list[int]) -> bool:
+        """Rows leaving a batch (`rows` ascending, the decode loop's case): the kept rows move
+        down in place, filled positions only, and the buffers keep their capacity. A gather
+        instead copies every kept row into an exact-size buffer that the next step's `_reserve`
+        copies again (a CPU batched generation spent 16% of its time there). False where `rows`
+        is not strictly ascending."""
+        assert self._k is not None and self._v is not None
+        if any(b <= a for a, b in zip(rows, rows[1:])) or not rows or rows[-1] >= len(self._k):
+            return False
+        n = self._len
+        for dst, src in enumerate(rows):
+            if dst != src:  # src > dst: its own row has not been overwritten yet
+                self._k[dst, ..., :n, :].copy_(self._k[src, ..., :n, :])
+                self._v[dst, ..., :n, :].copy_(self._v[src, ..., :n, :])
+        self._k, self._v = self._k[: len(rows)], self._v[: len(rows)]
+        self._expose()
+        return True
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._rows(indices)
@@ -124,10 +144,13 @@ def left_padded(rows: list[DynamicCache], width: int) -> DynamicCache:
         b, h, _, d = first._k.shape
         # what _reserve's doubling would grow it to at the first decode step, without the copy
         cap = max(2 * width, _MIN_CAPACITY)
-        k = first._k.new_zeros((len(rows) * b, h, cap, d))
-        v = first._v.new_zeros((len(rows) * b, h, cap, d))
+        # only the padding is zeroed: positions past `width` are written before they are read
+        k = first._k.new_empty((len(rows) * b, h, cap, d))
+        v = first._v.new_empty((len(rows) * b, h, cap, d))
         for i, la in enumerate(per_row):
             n = la._len
+            k[i, :, : width - n].zero_()
+            v[i, :, : width - n].zero_()
             k[i, :, width - n : width] = la.keys[0]
             v[i, :, width - n : width] = la.values[0]
         layer = GrowingLayer()
