@@ -13,6 +13,8 @@ prompt at a time and then steps up to 64 rows: the demo's 244 answers (batch 64,
 fp32, AVX2 simulated on a Zen 4 EPYC) ran at 222.7 tok/s packed against 182.3 with the default
 kernel (1.22x, packing included, identical answers; bench/LOG.md). One thread at batch 64: the
 LM head 1.71x, the k/v projections 2.6x, the others 1.16-1.25x; one row: the LM head 1.41x.
+tau_sim's replay (eval/tau_sim.py) runs inside it as well, so its drafts are measured
+decoding's: the demo's 18-prompt replay took 40 s instead of 75-87 s on a real AVX2 EPYC.
 
 `packed_linears(*modules)` packs the weights of every float32 CPU `nn.Linear` inside the given
 modules once on entry (a second copy of those weights while inside) and routes their forwards
