@@ -62,3 +62,27 @@ def test_greedy_decoding_is_unchanged_by_packing():
     assert packed == plain
     s = evaluate(target, None, [prompt[0].tolist()], 24, 1, stop_ids=[], progress=False)
     assert s.spec_results[0].tokens == s.ar_results[0].tokens == plain
+
+
+def test_frozen_matmuls_match_the_default_products_and_follow_an_in_place_change():
+    head = P.FrozenMatmuls()
+    w = torch.randn(300, 24)
+    x, g = torch.randn(7, 24), torch.randn(7, 300)
+    torch.testing.assert_close(head.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head.back(g, w), g @ w, atol=1e-5, rtol=1e-5)
+    packed = head._fwd
+    head.linear(x, w)
+    assert head._fwd is packed  # packed once per weight
+    with torch.no_grad():
+        w.mul_(2)  # changed in place: packed again
+    torch.testing.assert_close(head.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head.back(g, w), g @ w, atol=1e-5, rtol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the default kernels, as autocast casts
+        assert head.linear(x, w).dtype == torch.bfloat16
+    assert head.linear(x.double(), w.double()).dtype == torch.float64
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # traced by the memory plan: the default kernels, which have fakes
+        fw, fx = torch.empty(300, 24), torch.empty(7, 24)
+        assert head.linear(fx, fw).shape == (7, 300)
+        assert head.back(torch.empty(7, 300), fw).shape == (7, 24)

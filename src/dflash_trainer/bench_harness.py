@@ -106,6 +106,7 @@ SCRIPTS = [
     "bench_memory_plan.py",
     "bench_anchors.py",
     "bench_read_slots.py",
+    "bench_frozen_head.py",
 ]
 
 

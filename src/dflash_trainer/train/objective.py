@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trainer.models.packed_linear import FrozenMatmuls
+
 # Paper A.1 (gamma per block size); other sizes use bs / 2.3, which reproduces 16 -> 6.96,
 # 10 -> 4.35, 8 -> 3.48 within rounding of the paper's choices.
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -439,6 +441,8 @@ class DFlashObjective:
 #   needs a few thousand rows to stay compute-bound (H200: ~200 FLOP per byte); 2 GiB of fp32
 #   logits is ~3,500 rows at a 152k vocabulary.
 _LOSS_CHUNK_ELEMS = {"cpu": 1 << 25, "cuda": 1 << 29}
+# the target's LM head (frozen) on a float32 CPU: packed once, products on oneDNN's GEMM
+_FROZEN_HEAD = FrozenMatmuls()
 
 
 def _prefer(
@@ -552,7 +556,7 @@ def _linear_ce(h, weight, labels, valid, weigh, need_grad, reject=0.0):
     """
     x = h.reshape(-1, h.shape[-1])
     lab = labels.reshape(-1, 1)
-    logits = F.linear(x, weight)  # F.linear follows autocast
+    logits = _FROZEN_HEAD.linear(x, weight)  # F.linear (which follows autocast) off fp32 CPU
     mx, arg = logits.max(dim=-1, keepdim=True)  # one pass for both
     correct = (arg == lab).view_as(labels)
     target = logits.gather(1, lab).float()
@@ -591,7 +595,7 @@ def _linear_ce(h, weight, labels, valid, weigh, need_grad, reject=0.0):
             if not torch.is_autocast_enabled(x.device.type)
             else torch.get_autocast_dtype(x.device.type)
         )
-        grad_h = torch.matmul(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
+        grad_h = _FROZEN_HEAD.back(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
     return num, w.sum(), correct, parts, grad_h
 
 
@@ -631,7 +635,7 @@ def _linear_kd(h, weight, labels, valid, weigh, teacher, kd, need_grad):
         g.add_(p_d.mul_((1.0 - lam) * w))  # + (1 - lam) w softmax(z)
         g.scatter_add_(1, lab, -(1.0 - lam) * w)  # - (1 - lam) w onehot
         cdt = _compute_dtype(x)
-        grad_h = torch.matmul(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
+        grad_h = _FROZEN_HEAD.back(g.to(cdt), weight.to(cdt)).to(h.dtype).view_as(h)
     return num, w.sum(), correct, parts, grad_h
 
 
