@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 
 from dflash_trainer import bench_harness
-from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.packed_linear import FrozenMatmuls, available
 from dflash_trainer.precision import cpu_kind
 from dflash_trainer.train import objective as objective_module
 from dflash_trainer.train.objective import DFlashObjective
 
-H, V, BS, TAPS, ANCHORS, SLOTS = 576, 49152, 16, 5, 40, 4
-ROWS, SEQ = 2, 256
+H, V, BS = bench_harness.DEMO_HIDDEN, bench_harness.DEMO_VOCAB, bench_harness.DEMO_BLOCK
+ANCHORS, SLOTS = 40, 4
 
 
 class _DefaultKernels(FrozenMatmuls):
@@ -39,26 +38,6 @@ class _DefaultKernels(FrozenMatmuls):
 
     def _packed(self, x, w):
         return None
-
-
-def _drafter() -> DFlashDrafter:
-    torch.manual_seed(0)
-    return DFlashDrafter(
-        DFlashConfig(
-            hidden_size=H,
-            num_layers=2,
-            num_heads=9,
-            num_kv_heads=3,
-            head_dim=64,
-            intermediate_size=1536,
-            block_size=BS,
-            target_layer_ids=[1, 8, 14, 20, 27],
-            num_target_layers=30,
-            mask_token_id=0,
-            vocab_size=V,
-            attention="split",
-        )
-    )
 
 
 def main() -> None:
@@ -69,18 +48,14 @@ def main() -> None:
     embed = torch.randn(V, H)
     head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
     ways = {"packed": FrozenMatmuls(), "default": _DefaultKernels()}
-    drafters = {w: _drafter() for w in ways}
+    drafters = {w: bench_harness.demo_drafter() for w in ways}
     obj = DFlashObjective(BS, ANCHORS, mask_token_id=0, loss_slots=SLOTS)
     opts = {w: torch.optim.AdamW(d.parameters(), lr=1e-4) for w, d in drafters.items()}
     secs = {w: 0.0 for w in ways}
     worst_loss = worst_grad = 0.0
     try:
         for i in range(args.steps + 2):  # the first two warm up (and pack)
-            g = torch.Generator().manual_seed(i)
-            ids = torch.randint(100, V - 1, (ROWS, SEQ), generator=g)
-            mask = torch.zeros(ROWS, SEQ, dtype=torch.bool)
-            mask[:, SEQ // 2 :] = True
-            feats = torch.randn(ROWS, SEQ, TAPS * H, generator=g)
+            ids, mask, feats = bench_harness.demo_batch(i)
             out, grads = {}, {}
             for w, matmuls in ways.items():
                 objective_module._FROZEN_HEAD = matmuls
@@ -97,11 +72,7 @@ def main() -> None:
                 out[w] = float(o.loss.detach())
             worst_loss = max(worst_loss, abs(out["packed"] - out["default"]) / abs(out["default"]))
             worst_grad = max(
-                worst_grad,
-                max(
-                    float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-                    for a, b in zip(grads["packed"], grads["default"])
-                ),
+                worst_grad, bench_harness.max_rel_diff(grads["packed"], grads["default"])
             )
     finally:
         objective_module._FROZEN_HEAD = ways["packed"]

@@ -25,12 +25,11 @@ from pathlib import Path
 import torch
 
 from dflash_trainer import bench_harness
-from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.precision import cpu_has_native_bf16, cpu_kind
 from dflash_trainer.train.objective import DFlashObjective
 
-H, V, BS, TAPS, ANCHORS, SLOTS = 576, 49152, 16, 5, 40, 4
-ROWS, SEQ = 2, 256
+H, V, BS = bench_harness.DEMO_HIDDEN, bench_harness.DEMO_VOCAB, bench_harness.DEMO_BLOCK
+ANCHORS, SLOTS = 40, 4
 
 
 class _EverySlot(DFlashObjective):
@@ -39,26 +38,6 @@ class _EverySlot(DFlashObjective):
     @property
     def read_slots(self) -> int:
         return 0
-
-
-def _drafter() -> DFlashDrafter:
-    torch.manual_seed(0)
-    return DFlashDrafter(
-        DFlashConfig(
-            hidden_size=H,
-            num_layers=2,
-            num_heads=9,
-            num_kv_heads=3,
-            head_dim=64,
-            intermediate_size=1536,
-            block_size=BS,
-            target_layer_ids=[1, 8, 14, 20, 27],
-            num_target_layers=30,
-            mask_token_id=0,
-            vocab_size=V,
-            attention="split",
-        )
-    )
 
 
 def main() -> None:
@@ -71,17 +50,13 @@ def main() -> None:
     embed = torch.randn(V, H).to(heads_dtype)
     head = torch.nn.Linear(H, V, bias=False).to(heads_dtype).requires_grad_(False)
     ways = {"read": DFlashObjective, "every": _EverySlot}
-    drafters = {w: _drafter() for w in ways}
+    drafters = {w: bench_harness.demo_drafter() for w in ways}
     objs = {w: cls(BS, ANCHORS, mask_token_id=0, loss_slots=SLOTS) for w, cls in ways.items()}
     opts = {w: torch.optim.AdamW(d.parameters(), lr=1e-4) for w, d in drafters.items()}
     secs = {w: 0.0 for w in ways}
     worst_loss = worst_grad = 0.0
     for i in range(args.steps + 2):  # the first two warm up
-        g = torch.Generator().manual_seed(i)
-        ids = torch.randint(100, V - 1, (ROWS, SEQ), generator=g)
-        mask = torch.zeros(ROWS, SEQ, dtype=torch.bool)
-        mask[:, SEQ // 2 :] = True
-        feats = torch.randn(ROWS, SEQ, TAPS * H, generator=g)
+        ids, mask, feats = bench_harness.demo_batch(i)
         out, grads = {}, {}
         for w in ways:
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -98,13 +73,7 @@ def main() -> None:
                 secs[w] += time.perf_counter() - t0
             out[w] = float(o.loss.detach())
         worst_loss = max(worst_loss, abs(out["read"] - out["every"]) / abs(out["every"]))
-        worst_grad = max(
-            worst_grad,
-            max(
-                float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-                for a, b in zip(grads["read"], grads["every"])
-            ),
-        )
+        worst_grad = max(worst_grad, bench_harness.max_rel_diff(grads["read"], grads["every"]))
     ms = {w: 1e3 * s / args.steps for w, s in secs.items()}
     res = {
         "bench": "read_slots",

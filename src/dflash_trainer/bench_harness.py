@@ -91,6 +91,52 @@ QWEN3_8B_SHAPE = dict(
     head_dim=128,
 )
 
+# The smollm2-cpu preset's drafter step, as the bench scripts that time it run it: SmolLM2-135M's
+# shapes (hidden 576, 9 heads / 3 KV heads, 2 layers, the 49,152-way LM head, 5 taps), block 16,
+# 512-token batches of 2 x 256 tokens whose second half is the answer.
+DEMO_HIDDEN, DEMO_VOCAB, DEMO_BLOCK, DEMO_TAPS, DEMO_ROWS, DEMO_SEQ = 576, 49152, 16, 5, 2, 256
+
+
+def demo_drafter():
+    """A randomly initialised drafter of the demo's shape (seeded: the same one every call)."""
+    from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(0)
+    return DFlashDrafter(
+        DFlashConfig(
+            hidden_size=DEMO_HIDDEN,
+            num_layers=2,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            block_size=DEMO_BLOCK,
+            target_layer_ids=[1, 8, 14, 20, 27],
+            num_target_layers=30,
+            mask_token_id=0,
+            vocab_size=DEMO_VOCAB,
+            attention="split",
+        )
+    )
+
+
+def demo_batch(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch `i` of the demo's shape: (ids, loss mask, tapped features), seeded by `i`."""
+    g = torch.Generator().manual_seed(i)
+    ids = torch.randint(100, DEMO_VOCAB - 1, (DEMO_ROWS, DEMO_SEQ), generator=g)
+    mask = torch.zeros(DEMO_ROWS, DEMO_SEQ, dtype=torch.bool)
+    mask[:, DEMO_SEQ // 2 :] = True
+    feats = torch.randn(DEMO_ROWS, DEMO_SEQ, DEMO_TAPS * DEMO_HIDDEN, generator=g)
+    return ids, mask, feats
+
+
+def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest |got - want| of paired tensors, each relative to its `want`'s largest |value|."""
+    return max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got, want)
+    )
+
+
 SCRIPTS = [
     "bench_batching.py",
     "bench_attention.py",
