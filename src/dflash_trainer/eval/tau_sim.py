@@ -60,6 +60,7 @@ from torch import nn
 from dflash_trainer.config import SamplingConfig
 from dflash_trainer.decode.draft import Drafter, accepted, commit, draft_block
 from dflash_trainer.decode.sampler import sampled_logits
+from dflash_trainer.models.packed_linear import packed_linears
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.progress import showing_progress
 from dflash_trainer.precision import module_dtype
@@ -204,6 +205,8 @@ class TauSim:
     `packed`: the replay's float32 CPU linear layers (the LM head, the drafter's) run oneDNN's
     prepacked GEMM, as measured decoding does (target.packed_linear; models/packed_linear.py):
     the drafts are the decode loop's, and a 16-row LM head costs a third (2-core AVX2 EPYC).
+    Only those two: the replay runs no target forward beyond the features, which keep the
+    target's own kernels.
     """
 
     def __init__(
@@ -291,7 +294,7 @@ class TauSim:
             lens: list[Sequence[float]] = []
             committed: list[list[int]] = []
             with (
-                self.target.decoding(drafter, packed=self.packed),
+                packed_linears(self.target.lm_head, drafter, enabled=self.packed),
                 showing_progress(len(todo), desc="tau_sim", unit="prompt", enabled=progress) as bar,
             ):
                 for key, ids, p in todo:

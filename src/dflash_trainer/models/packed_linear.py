@@ -54,11 +54,16 @@ def available() -> bool:
         w = torch.randn(8, 4)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         x = torch.randn(3, 4)
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        y = _gemm(x, packed)
         return bool(torch.allclose(y, F.linear(x, w), atol=1e-5, rtol=1e-5))
     except Exception as e:  # no oneDNN (some builds, non-x86 without it)
         log.debug("oneDNN packed linear unavailable: %s", e)
         return False
+
+
+def _gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [rows, in] through a weight packed by `_reorder_linear_weight` (+ bias)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +71,7 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) ->
     if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != torch.float32:
         return F.linear(x, w, module.bias)
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.ops.mkldnn._linear_pointwise(rows, packed, module.bias, "none", [], "")
+    y = _gemm(rows, packed, module.bias)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -149,11 +154,11 @@ class FrozenMatmuls:
         packed = self._packed(x, w)
         if packed is None:
             return F.linear(x, w)
-        return torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "none", [], "")
+        return _gemm(x, packed[0])
 
     def back(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """g [rows, out] -> g W [rows, in]."""
         packed = self._packed(g, w)
         if packed is None:
             return torch.matmul(g, w)
-        return torch.ops.mkldnn._linear_pointwise(g, packed[1], None, "none", [], "")
+        return _gemm(g, packed[1])
