@@ -20,7 +20,13 @@ from dflash_trainer.eval.reference import reference_tau
 from dflash_trainer.eval.tau_sim import TauSim
 from dflash_trainer.models.export import export_drafter
 from dflash_trainer.models.target import TargetModel
-from dflash_trainer.observe.progress import console_above_bar, progress_bar, showing_progress
+from dflash_trainer.observe import progress
+from dflash_trainer.observe.progress import (
+    LogLines,
+    console_above_bar,
+    progress_bar,
+    showing_progress,
+)
 from dflash_trainer.run import evaluation, train
 from dflash_trainer.run.build import build_drafter
 from test_chat import _convs
@@ -83,6 +89,21 @@ def test_log_lines_go_above_the_bar_at_the_console_level(monkeypatch):
     assert _lines_with(out, "checkpoint written") == ["LOG checkpoint written"], out
 
 
+def test_the_commands_console_handler_goes_above_the_bar_too(monkeypatch):
+    err, h, root = _console(monkeypatch)
+
+    class Console(logging.StreamHandler):  # cli.py installs a subclass of its own
+        pass
+
+    mine = Console(sys.stderr)
+    mine.setLevel(logging.INFO)
+    monkeypatch.setattr(root, "handlers", [mine])
+    with showing_progress(3, desc="work", unit="item") as bar:
+        assert mine not in root.handlers
+        bar.update(1)
+    assert root.handlers == [mine]
+
+
 def test_no_bar_no_change(monkeypatch):
     _, h, root = _console(monkeypatch)
     stack = console_above_bar(None)
@@ -102,8 +123,42 @@ def test_a_bar_is_drawn_on_a_terminal_when_asked(monkeypatch):
     bar.update(2)
     bar.close()
     assert bar.disable and err.getvalue() == ""
-    err, _, _ = _console(monkeypatch, terminal=False)  # a log file or a pipe
+    err, _, _ = _console(monkeypatch, terminal=False)  # a log file or a pipe: no redraws
     bar = progress_bar(4, desc="work", unit="item")
+    bar.update(2)
+    bar.close()
+    assert isinstance(bar, LogLines) and err.getvalue() == ""  # no line due within 30 s
+
+
+def test_in_a_pipe_progress_is_a_log_line_when_due_and_one_at_the_end(monkeypatch):
+    err, h, root = _console(monkeypatch, terminal=False)
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    with showing_progress(3, desc="generate", unit="prompt") as bar:
+        assert root.handlers == [h]  # nothing to route around: no bar is drawn
+        clock[0] = 10.0
+        bar.update(1)  # not due: 10 s of 30
+        clock[0] = 31.0
+        bar.update(1)
+        bar.set_postfix(tok_s="216")  # a redraw without progress: no second line
+        clock[0] = 40.0
+        bar.update(1)  # 9 s after the last line: not due
+    lines = err.getvalue().splitlines()
+    assert [line.split(" [")[0] for line in lines] == [
+        "LOG generate: 2/3 prompts",
+        "LOG generate: 3/3 prompts",  # closing: the loop had logged, so its end is logged too
+    ], lines
+    assert "<" in lines[0] and "tok_s=216" in lines[1], lines  # time left; the postfix
+    # not due yet: nothing until the interval has passed, and then no closing line either
+    err, _, _ = _console(monkeypatch, terminal=False)
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 3600.0)
+    with showing_progress(None, desc="tau_sim", unit="prompt") as bar:
+        bar.update(5)
+    assert err.getvalue() == ""
+    # training logs its own lines: its bar asks for none
+    err, _, _ = _console(monkeypatch, terminal=False)
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
+    bar = progress_bar(None, desc="train", unit="step", lines=False)
     bar.update(2)
     bar.close()
     assert bar.disable and err.getvalue() == ""

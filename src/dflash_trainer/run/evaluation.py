@@ -302,6 +302,13 @@ class PeriodicEval:
         keep = set(self.cfg.eval.at_end_sources)
         decoded = [e for e in self.report if not keep or e.source in keep] or self.report
         console = self.cfg.metrics.console
+        log.info(
+            "held-out evaluation at step %d: %d prompts decoded (%s)%s",
+            step,
+            len(decoded),
+            ", ".join(sorted({e.source for e in decoded})),
+            f", tau_sim on {len(self.report)}" if self.cfg.eval.tau_sim else "",
+        )
         with self.lock:
             rec, run = self._record(step, self.report, "heldout", console, decoded, export_dir)
         self.final_run = run

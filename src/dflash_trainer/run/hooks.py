@@ -128,6 +128,7 @@ class RunHooks:
             initial=start_step,
             desc="train",
             unit="step",
+            lines=False,  # the monitor logs training's own lines
         )
 
     # ------------------------------------------------------------------ drafter thread
