@@ -429,3 +429,15 @@ def test_end_of_run_evaluation_reaches_metrics_jsonl_as_the_demo_reports_it(tmp_
         checks["speedup"] == ev["eval/speedup"] and checks["lossless"] == ev["eval/lossless_line"]
     )
     assert checks["prompts"] == ev["eval/prompts"] and checks["tau_sim_prompts"] == len(report)
+    assert checks["cycle_in_plain_steps"] == pytest.approx(ev["eval/tau"] / ev["eval/speedup"])
+
+
+def test_a_cycles_cost_in_plain_steps():
+    """8 tokens: drafting in 4 cycles of 2 tokens, 1 s each (tau 2, 2 tok/s); plain in 8 steps
+    of 0.25 s (4 tok/s): speedup 0.5, so a cycle cost 4 plain steps (1 s / 0.25 s) and drafting
+    would pay above 4 tokens a cycle."""
+    from dflash_trainer.commands.demo import cycle_in_plain_steps
+
+    tau, speedup = 8 / 4, (8 / 4.0) / (8 / 2.0)
+    assert cycle_in_plain_steps(tau, speedup) == pytest.approx(1.0 / 0.25)
+    assert cycle_in_plain_steps(1.3, None) is None  # no baseline decoded: nothing to compare

@@ -151,20 +151,36 @@ def heldout_checks(rec: dict[str, Any], cfg: Config) -> dict[str, Any]:
         "lossless": rec.get("eval/lossless_line"),
         "tau_sim": sims,
         "tau_sim_prompts": rec.get("eval/tau_sim_prompts"),
+        "cycle_in_plain_steps": cycle_in_plain_steps(rec["eval/tau"], rec.get("eval/speedup")),
     }
-    ref = out["tau_reference_loop"]
+    ref, cycle = out["tau_reference_loop"], out["cycle_in_plain_steps"]
     _say(
         f"    held-out {out['source']}: tau {out['tau']:.3f}"
         + ("" if ref is None else f" (reference loop {ref:.3f})")
         + f" on {out['prompts']} prompts x {out['max_new_tokens']} tokens; speedup "
         f"{out['speedup'] or 0:.2f}x; {out['lossless']}"
     )
+    if cycle is not None:
+        _say(
+            f"    a draft-verify cycle cost {cycle:.2f} plain greedy steps here: drafting pays on "
+            f"this machine above {cycle:.2f} tokens a cycle"
+        )
     _say(
         f"    tau_sim on all {out['tau_sim_prompts']} reported prompts: {sims['all']:.3f} ("
         + ", ".join(f"{k} {v:.3f}" for k, v in sims.items() if k != "all")
         + f"), {rec.get('eval/dtype')}"
     )
     return out
+
+
+def cycle_in_plain_steps(tau: float, speedup: float | None) -> float | None:
+    """What one draft-verify cycle cost in plain greedy steps, from the decoded prompts: the
+    speedup is (tau tokens / a cycle's seconds) / (1 token / a plain step's seconds), so a
+    cycle is tau / speedup steps, and drafting beats plain decoding only where a cycle commits
+    more tokens than that (on a GPU a cycle costs about one step; on a 2-core CPU 1.5-2.5)."""
+    if not speedup or speedup <= 0:
+        return None
+    return tau / speedup
 
 
 def _summarize(run_dir: Path, result: TrainResult, checks: dict, t_all: float, phases: Phases):
