@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.packed_linear import FrozenMatmuls
 from dflash_trainer.run.build import build_objective
 from dflash_trainer.run.memory_plan import GiB, MemoryPlan, plan_memory
 from tiny import tiny_target
@@ -88,6 +89,14 @@ def test_the_plan_is_within_20_percent_of_the_measured_peak(shape, autocast):
     assert 8 * n <= plan.optimizer <= 8 * n + 4 * len(list(drafter.parameters()))
     assert plan.per_block > 0 and plan.rows * plan.anchors * plan.per_block < plan.step_peak
     assert plan.total > plan.step_peak + plan.parameters + plan.optimizer
+    # the embedding and LM head, and in fp32 on a CPU the LM head's two packed copies
+    head = target.vocab_size * target.hidden_size * dtype.itemsize
+    packed = (
+        2 * head
+        if not autocast and FrozenMatmuls.packs(dtype, torch.device("cpu"), head, False)
+        else 0
+    )
+    assert plan.frozen == 2 * head + packed
 
 
 def test_a_plan_over_the_device_is_refused_naming_the_knobs(caplog):

@@ -86,3 +86,28 @@ def test_frozen_matmuls_match_the_default_products_and_follow_an_in_place_change
         fw, fx = torch.empty(300, 24), torch.empty(7, 24)
         assert head.linear(fx, fw).shape == (7, 300)
         assert head.back(torch.empty(7, 300), fw).shape == (7, 24)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not P.available(), reason="oneDNN's packed linear is unavailable")
+def test_the_packed_copies_take_what_the_memory_plan_counts():
+    """FrozenMatmuls.copies_bytes (what run/memory_plan.py adds beside the frozen head) against
+    the process's resident memory when the two copies of a 64 MiB head are packed; none under
+    autocast, for other dtypes or past MAX_BYTES."""
+    cpu = torch.device("cpu")
+    w, x = torch.randn(16384, 1024), torch.randn(4, 1024)
+    want = P.FrozenMatmuls.copies_bytes(tuple(w.shape), w.dtype, cpu, autocast=False)
+    assert want == 2 * w.numel() * 4
+    head = P.FrozenMatmuls()
+    before = _rss()
+    head.linear(x, w)
+    grown = _rss() - before
+    assert grown == pytest.approx(want, rel=0.1), (grown, want)
+    assert P.FrozenMatmuls.copies_bytes((16384, 1024), torch.float32, cpu, autocast=True) == 0
+    assert P.FrozenMatmuls.copies_bytes((16384, 1024), torch.bfloat16, cpu, autocast=False) == 0
+    big = (P.FrozenMatmuls.MAX_BYTES // 4 // 1024 + 1, 1024)
+    assert P.FrozenMatmuls.copies_bytes(big, torch.float32, cpu, autocast=False) == 0

@@ -127,16 +127,36 @@ class FrozenMatmuls:
         self._fwd: torch.Tensor | None = None
         self._bwd: torch.Tensor | None = None
 
+    @classmethod
+    def packs(cls, dtype: torch.dtype, device: torch.device, nbytes: int, autocast: bool) -> bool:
+        """Are a weight's products packed (a float32 CPU weight of at most MAX_BYTES, outside
+        autocast, where oneDNN is available)?"""
+        return (
+            dtype == torch.float32
+            and device.type == "cpu"
+            and not autocast
+            and nbytes <= cls.MAX_BYTES
+            and available()
+        )
+
+    @classmethod
+    def copies_bytes(
+        cls, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, autocast: bool
+    ) -> int:
+        """The memory the two packed copies of a weight of `shape` hold while training runs
+        (0 where its products keep the default kernels): what run/memory_plan.py counts beside
+        the frozen head itself."""
+        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        return 2 * nbytes if cls.packs(dtype, device, nbytes, autocast) else 0
+
     def _packed(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if (
             x.dtype != torch.float32
             or is_fake(x)  # traced (run/memory_plan.py): oneDNN's ops have no fake kernel
             or is_fake(w)
-            or w.device.type != "cpu"
-            or w.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu")
-            or w.numel() * w.element_size() > self.MAX_BYTES
-            or not available()
+            or not self.packs(
+                w.dtype, w.device, w.numel() * w.element_size(), torch.is_autocast_enabled("cpu")
+            )
         ):
             return None
         key = (w.data_ptr(), w._version, tuple(w.shape))

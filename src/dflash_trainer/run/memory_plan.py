@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from dflash_trainer.config import Config
 from dflash_trainer.errors import UserError
 from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
+from dflash_trainer.models.packed_linear import FrozenMatmuls
 from dflash_trainer.train.objective import DFlashObjective, chunk_blocks_for
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class MemoryPlan:
     tokens: int
     anchors: int
     parameters: int  # the drafter's trainable parameters
-    frozen: int  # the target's embedding and LM head as the drafter uses them
+    frozen: int  # the target's embedding and LM head as the drafter uses them (+ packed copies)
     optimizer: int  # AdamW's two moments (+ step counters)
     step_peak: int  # gradients + activations + temporaries at the step's peak (measured)
     per_block: int  # activation bytes of one row x anchor block (measured)
@@ -299,6 +300,10 @@ def plan_memory(
     optimizer = 2 * sum(p.numel() * 4 for p in params) + 4 * len(params)  # fp32 moments
     elem = torch.empty((), dtype=head_dtype).element_size()
     frozen = 2 * vocab_size * dcfg.hidden_size * elem  # embedding + LM head (untied worst case)
+    # the loss's products through the frozen head on oneDNN's prepacked GEMM: two more copies
+    frozen += FrozenMatmuls.copies_bytes(
+        (vocab_size, dcfg.hidden_size), head_dtype, device, autocast
+    )
     # A row's activations add up along the batch dimension; the chunked temporaries (attention,
     # LM head) are budgeted per chunk, whatever the rows. So one row and two rows give the slope
     # and the fixed part, and half the anchors on one row what a block costs. Fake steps on one or
