@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from dflash_trainer import bench_harness
+from dflash_trainer.bench_harness import StepWay
 from dflash_trainer.models.packed_linear import FrozenMatmuls, available
 from dflash_trainer.precision import cpu_kind
 from dflash_trainer.train import objective as objective_module
@@ -47,36 +47,20 @@ def main() -> None:
     args = ap.parse_args()
     embed = torch.randn(V, H)
     head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
-    ways = {"packed": FrozenMatmuls(), "default": _DefaultKernels()}
-    drafters = {w: bench_harness.demo_drafter() for w in ways}
-    obj = DFlashObjective(BS, ANCHORS, mask_token_id=0, loss_slots=SLOTS)
-    opts = {w: torch.optim.AdamW(d.parameters(), lr=1e-4) for w, d in drafters.items()}
-    secs = {w: 0.0 for w in ways}
-    worst_loss = worst_grad = 0.0
+    kernels = {"packed": FrozenMatmuls(), "default": _DefaultKernels()}
+
+    def using(matmuls: FrozenMatmuls):
+        return lambda: setattr(objective_module, "_FROZEN_HEAD", matmuls)
+
+    ways = {
+        w: StepWay(DFlashObjective(BS, ANCHORS, mask_token_id=0, loss_slots=SLOTS), using(m))
+        for w, m in kernels.items()
+    }
     try:
-        for i in range(args.steps + 2):  # the first two warm up (and pack)
-            ids, mask, feats = bench_harness.demo_batch(i)
-            out, grads = {}, {}
-            for w, matmuls in ways.items():
-                objective_module._FROZEN_HEAD = matmuls
-                t0 = time.perf_counter()
-                o = obj(
-                    drafters[w], embed, head, feats, ids, mask, torch.Generator().manual_seed(i)
-                )
-                o.loss.backward()
-                grads[w] = [p.grad.clone() for p in drafters[w].parameters()]
-                opts[w].step()
-                opts[w].zero_grad(set_to_none=True)
-                if i >= 2:
-                    secs[w] += time.perf_counter() - t0
-                out[w] = float(o.loss.detach())
-            worst_loss = max(worst_loss, abs(out["packed"] - out["default"]) / abs(out["default"]))
-            worst_grad = max(
-                worst_grad, bench_harness.max_rel_diff(grads["packed"], grads["default"])
-            )
+        c = bench_harness.compare_drafter_steps(ways, embed, head, args.steps)
     finally:
-        objective_module._FROZEN_HEAD = ways["packed"]
-    ms = {w: 1e3 * s / args.steps for w, s in secs.items()}
+        objective_module._FROZEN_HEAD = kernels["packed"]
+    ms, worst_loss, worst_grad = c.ms, c.worst_loss, c.worst_grad
     res = {
         "bench": "frozen_head",
         "cpu": cpu_kind(),

@@ -17,14 +17,13 @@ Run: .venv/bin/python bench/bench_read_slots.py [--steps 12] [--json OUT]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from dflash_trainer import bench_harness
+from dflash_trainer.bench_harness import StepWay
 from dflash_trainer.precision import cpu_has_native_bf16, cpu_kind
 from dflash_trainer.train.objective import DFlashObjective
 
@@ -49,32 +48,14 @@ def main() -> None:
     heads_dtype = torch.bfloat16 if bf16 else torch.float32
     embed = torch.randn(V, H).to(heads_dtype)
     head = torch.nn.Linear(H, V, bias=False).to(heads_dtype).requires_grad_(False)
-    ways = {"read": DFlashObjective, "every": _EverySlot}
-    drafters = {w: bench_harness.demo_drafter() for w in ways}
-    objs = {w: cls(BS, ANCHORS, mask_token_id=0, loss_slots=SLOTS) for w, cls in ways.items()}
-    opts = {w: torch.optim.AdamW(d.parameters(), lr=1e-4) for w, d in drafters.items()}
-    secs = {w: 0.0 for w in ways}
-    worst_loss = worst_grad = 0.0
-    for i in range(args.steps + 2):  # the first two warm up
-        ids, mask, feats = bench_harness.demo_batch(i)
-        out, grads = {}, {}
-        for w in ways:
-            amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-            t0 = time.perf_counter()
-            with amp:
-                o = objs[w](
-                    drafters[w], embed, head, feats, ids, mask, torch.Generator().manual_seed(i)
-                )
-            o.loss.backward()
-            grads[w] = [p.grad.clone() for p in drafters[w].parameters()]
-            opts[w].step()
-            opts[w].zero_grad(set_to_none=True)
-            if i >= 2:
-                secs[w] += time.perf_counter() - t0
-            out[w] = float(o.loss.detach())
-        worst_loss = max(worst_loss, abs(out["read"] - out["every"]) / abs(out["every"]))
-        worst_grad = max(worst_grad, bench_harness.max_rel_diff(grads["read"], grads["every"]))
-    ms = {w: 1e3 * s / args.steps for w, s in secs.items()}
+    ways = {
+        "read": StepWay(
+            DFlashObjective(BS, ANCHORS, mask_token_id=0, loss_slots=SLOTS), autocast=bf16
+        ),
+        "every": StepWay(_EverySlot(BS, ANCHORS, mask_token_id=0, loss_slots=SLOTS), autocast=bf16),
+    }
+    c = bench_harness.compare_drafter_steps(ways, embed, head, args.steps)
+    ms, worst_loss, worst_grad = c.ms, c.worst_loss, c.worst_grad
     res = {
         "bench": "read_slots",
         "cpu": cpu_kind(),

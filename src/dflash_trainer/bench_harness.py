@@ -15,8 +15,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -135,6 +138,57 @@ def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(
         float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got, want)
     )
+
+
+@dataclass
+class StepWay:
+    """One side of an A/B of the demo's drafter step: its objective, what to set before each
+    step (untimed: e.g. which kernels the loss takes), and whether the forward runs under CPU
+    bf16 autocast."""
+
+    objective: Any
+    before: Callable[[], None] = lambda: None
+    autocast: bool = False
+
+
+@dataclass
+class StepComparison:
+    ms: dict[str, float]  # per way: mean ms per step (forward + backward + AdamW)
+    worst_loss: float  # the largest relative loss difference of the first two ways
+    worst_grad: float  # and of their gradients (max_rel_diff)
+
+
+def compare_drafter_steps(
+    ways: dict[str, StepWay], embed: torch.Tensor, head: torch.nn.Module, steps: int
+) -> StepComparison:
+    """The demo's drafter step (demo_drafter, demo_batch) each way on the same batches and
+    seeds, interleaved step by step so machine drift hits every way; two warm-up steps first."""
+    names = list(ways)
+    drafters = {w: demo_drafter() for w in names}
+    opts = {w: torch.optim.AdamW(d.parameters(), lr=1e-4) for w, d in drafters.items()}
+    secs = dict.fromkeys(names, 0.0)
+    worst_loss = worst_grad = 0.0
+    for i in range(steps + 2):
+        ids, mask, feats = demo_batch(i)
+        loss, grads = {}, {}
+        for w, way in ways.items():
+            way.before()
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=way.autocast):
+                out = way.objective(
+                    drafters[w], embed, head, feats, ids, mask, torch.Generator().manual_seed(i)
+                )
+            out.loss.backward()
+            grads[w] = [p.grad.clone() for p in drafters[w].parameters()]
+            opts[w].step()
+            opts[w].zero_grad(set_to_none=True)
+            if i >= 2:
+                secs[w] += time.perf_counter() - t0
+            loss[w] = float(out.loss.detach())
+        a, b = names[0], names[1]
+        worst_loss = max(worst_loss, abs(loss[a] - loss[b]) / abs(loss[b]))
+        worst_grad = max(worst_grad, max_rel_diff(grads[a], grads[b]))
+    return StepComparison({w: 1e3 * s / steps for w, s in secs.items()}, worst_loss, worst_grad)
 
 
 SCRIPTS = [
