@@ -441,3 +441,33 @@ def test_a_cycles_cost_in_plain_steps():
     tau, speedup = 8 / 4, (8 / 4.0) / (8 / 2.0)
     assert cycle_in_plain_steps(tau, speedup) == pytest.approx(1.0 / 0.25)
     assert cycle_in_plain_steps(1.3, None) is None  # no baseline decoded: nothing to compare
+
+
+def test_the_demo_summary_prints_rounded_named_figures():
+    from dflash_trainer.commands.demo import summary_lines
+
+    summary = {
+        "cpu": "AMD EPYC (AVX2)",
+        "phases_s": {"target": 16.2, "data": 163.9, "training": 364.1, "evaluation": 75.1},
+        "heldout": {
+            "source": "mt-bench",
+            "prompts": 6,
+            "tau": 1.212383143578319,
+            "speedup": 0.47597042705035575,
+            "lossless": "identical to plain greedy decoding on 6 of 6 (float32)",
+            "tau_sim": {"humaneval": 1.7387971978835626, "mt-bench": 1.2123831, "all": 1.56332},
+            "tau_sim_prompts": 18,
+        },
+        "steps": 951,
+        "demo_wall_s": 620.6372819869999,
+        "first_loss": 23.509496688842773,
+        "last_loss": 2.5698935985565186,
+    }
+    assert dict(summary_lines(summary)) == {
+        "cpu": "AMD EPYC (AVX2)",
+        "wall": "621 s (target 16 s, data 164 s, training 364 s, evaluation 75 s)",
+        "training": "951 steps, loss 23.51 -> 2.57",
+        "held-out": "mt-bench tau 1.212 on 6 prompts, speedup 0.48x, identical to plain greedy "
+        "decoding on 6 of 6 (float32)",
+        "tau_sim": "1.563 on 18 prompts (humaneval 1.739, mt-bench 1.212)",
+    }

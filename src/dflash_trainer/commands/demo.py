@@ -213,12 +213,36 @@ def _summarize(run_dir: Path, result: TrainResult, checks: dict, t_all: float, p
         },
     }
     layout.demo_summary.write_text(json.dumps(summary, indent=2))
-    _say("summary")
-    for k, v in summary.items():
-        if k != "artefacts":
-            print(f"    {k:<16} {v}")
+    _say(f"summary (all of it in {layout.demo_summary})")
+    for k, v in summary_lines(summary):
+        print(f"    {k:<16} {v}")
     for k, v in summary["artefacts"].items():
         print(f"    {k:<16} {v}")
+
+
+def summary_lines(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """demo_summary.json's figures as the console's few lines (rounded, named)."""
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in summary["phases_s"].items())
+    h = summary["heldout"]
+    sims = h["tau_sim"]
+    first, last = summary["first_loss"], summary["last_loss"]
+    losses = "" if first is None or last is None else f", loss {first:.2f} -> {last:.2f}"
+    return [
+        ("cpu", summary["cpu"]),
+        ("wall", f"{summary['demo_wall_s']:.0f} s ({phases})"),
+        ("training", f"{summary['steps']} steps{losses}"),
+        (
+            "held-out",
+            f"{h['source']} tau {h['tau']:.3f} on {h['prompts']} prompts, speedup "
+            f"{h['speedup'] or 0:.2f}x, {h['lossless']}",
+        ),
+        (
+            "tau_sim",
+            f"{sims['all']:.3f} on {h['tau_sim_prompts']} prompts ("
+            + ", ".join(f"{k} {v:.3f}" for k, v in sims.items() if k != "all")
+            + ")",
+        ),
+    ]
 
 
 def _first(history, name):
