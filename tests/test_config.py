@@ -288,7 +288,7 @@ PINNED_KEYS = {
         f"{s}": ["temperature", "top_p", "top_k"]
         for s in ("eval.sampling", "synth.sampling", "synth.answer_sampling", "generate.sampling")
     },
-    "bench": ["quick", "only"],
+    "bench": ["quick", "time_budget_s", "only"],
 }
 
 

@@ -865,6 +865,13 @@ class ExportConfig:
 @dataclass(kw_only=True, slots=True)
 class BenchConfig:
     quick: bool = _f(False, "`bench`: fewer repeats")
+    time_budget_s: float = _f(
+        1080.0,
+        "`bench`: wall time the whole run aims to stay within: each script runs in full while "
+        "the rest still fits at its quick cost, quick otherwise (bench_plan.py); 0 = all full",
+        unit="s",
+        min=0.0,
+    )
     only: list[str] = _f(
         [], "`bench`: run only these bench/ scripts ([] = all); the other rows are kept"
     )
