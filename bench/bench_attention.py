@@ -19,6 +19,7 @@ import sys
 import time
 
 from dflash_trainer import bench_harness
+from dflash_trainer.pipeline.cores import usable_cpus
 
 FULL = dict(
     hidden=576,
@@ -107,7 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="seq 512, 128 anchors")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--threads", type=int, default=min(2, usable_cpus()))
     ap.add_argument(
         "--chunk-blocks",
         type=int,

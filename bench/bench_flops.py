@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -17,6 +16,7 @@ from dflash_trainer import bench_harness
 from dflash_trainer.config_io import load_config
 from dflash_trainer.models.target import TargetModel
 from dflash_trainer.observe.flops import FlopsModel
+from dflash_trainer.pipeline.cores import usable_cpus
 from dflash_trainer.precision import use_autocast
 from dflash_trainer.run.build import build_drafter
 from dflash_trainer.train.objective import DFlashObjective
@@ -32,7 +32,7 @@ def timed(fn, reps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=usable_cpus())
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     a = ap.parse_args()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from dflash_trainer.config_io import load_config
 from dflash_trainer.data.batching import plan_epoch
 from dflash_trainer.data.chat import TokenizedDataset
 from dflash_trainer.models.target import TargetModel
+from dflash_trainer.pipeline.cores import usable_cpus
 from dflash_trainer.pipeline.prefetcher import build_batch
 from dflash_trainer.precision import cpu_kind, use_autocast
 from dflash_trainer.run import train
@@ -121,7 +121,7 @@ def run_colocated(target, ds, steps) -> float:
     """The baseline loop: what a user would write without a pipeline."""
     with tempfile.TemporaryDirectory() as d:
         cfg = make_cfg(d, steps, "sequential")
-        torch.set_num_threads(cfg.pipeline.cpu_threads or os.cpu_count())
+        torch.set_num_threads(cfg.pipeline.cpu_threads or usable_cpus())
         drafter = build_drafter(cfg, target, "cpu")
         obj = build_objective(cfg, drafter)  # the same objective as ours (loss_slots included)
         opt = build_optimizer(drafter.parameters(), cfg.optim)
@@ -197,7 +197,7 @@ def isolated_rates(target, ds, steps, schedule="pipelined") -> tuple[float, floa
     for b, f in zip(batches, feats):
         dstep(b, f)
     d_rate = sum(b.num_real_tokens for b in batches) / (time.perf_counter() - t0)
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(usable_cpus())
     return t_rate, d_rate
 
 
@@ -361,7 +361,7 @@ def _result(rows, cpu_wall, whole, sb: dict, steps: int, repeats: int) -> dict:
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {
-        "machine": f"{cpu_kind()}, {os.cpu_count()} CPU threads, torch {torch.__version__}",
+        "machine": f"{cpu_kind()}, {usable_cpus()} CPU threads, torch {torch.__version__}",
         "tokens_per_s": med,
         "pipelined_vs_fixed_split": ratio("pipelined", "fixed_split"),
         "drafter_bound_shared_vs_fixed": ratio("heavy_shared", "heavy_fixed"),

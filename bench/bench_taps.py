@@ -26,6 +26,7 @@ import sys
 import time
 
 from dflash_trainer import bench_harness
+from dflash_trainer.pipeline.cores import usable_cpus
 
 VARIANTS = ("tapped", "hidden_states", "hs_backbone")
 
@@ -117,7 +118,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=2, help="timed forwards (after a tiny warm-up)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--threads", type=int, default=min(2, usable_cpus()))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # child-process mode
     a = ap.parse_args()

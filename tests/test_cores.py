@@ -301,3 +301,22 @@ def test_a_trial_that_finds_sharing_faster_keeps_it():
     assert got == list(range(60)) and most <= 2
     assert share.trial.decided is True and share.sharing, share.summary()
     assert share.borrowed_steps > 2 * TRIAL_STEPS, share.summary()
+
+
+def test_threads_split_the_cpus_the_process_may_use_not_the_hosts(monkeypatch):
+    """A 2-CPU container (or `taskset -c 0,1`) on a 64-core host: the stages split the 2 CPUs of
+    the process's affinity, not os.cpu_count()'s 64."""
+    import os
+
+    from dflash_trainer.config import Config
+    from dflash_trainer.pipeline import cores
+    from dflash_trainer.pipeline.split import localize_split
+    from dflash_trainer.run.build import thread_split
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    assert cores.usable_cpus() == 2
+    assert thread_split(Config()) == (1, 1)
+    assert localize_split(Config(), 0, 2).pipeline.cpu_threads == 1  # 2 ranks share the 2
+    monkeypatch.delattr(os, "sched_getaffinity")  # no affinity API: the host's count
+    assert cores.usable_cpus() == 64

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from dflash_trainer.errors import UserError
+from dflash_trainer.pipeline.cores import usable_cpus
 from dflash_trainer.precision import cpu_kind
 
 
@@ -221,7 +221,7 @@ def load_script(path: Path) -> ModuleType:
 
 def machine() -> str:
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu_kind()}, {os.cpu_count()} CPU threads, {dev}, torch {torch.__version__}"
+    return f"{cpu_kind()}, {usable_cpus()} CPU threads, {dev}, torch {torch.__version__}"
 
 
 def run_all(bdir: Path, quick: bool = False, only: list[str] | None = None) -> list[dict]:

@@ -489,7 +489,10 @@ class PipelineConfig:
         choices=("refuse", "warn", "off"),
     )
     cpu_threads: int = _f(
-        0, "torch intra-op threads in total (0 = all cores)", unit="threads", min=0
+        0,
+        "torch intra-op threads in total (0 = every CPU this process may run on: its affinity)",
+        unit="threads",
+        min=0,
     )
     target_thread_share: float = _f(
         0.5,

@@ -52,6 +52,7 @@ Applies with one target worker (several workers would need a count of parked pro
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -60,6 +61,17 @@ import torch
 
 from dflash_trainer.observe.counters import WorkerCounters
 from dflash_trainer.pipeline.queues import BoundedQueue, Stopped
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (taskset, a container's cpuset), not
+    os.cpu_count()'s count of the host's, which would split threads for cores the process
+    cannot use (a 2-CPU container on a 64-core host: 32 threads a stage)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
+        return os.cpu_count() or 1
+
 
 TRIAL_STEPS = 8  # drafter steps per trial window (a few seconds on the embedded preset)
 

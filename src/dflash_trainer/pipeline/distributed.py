@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from dflash_trainer.config import Config, PipelineConfig
 from dflash_trainer.errors import UserError
+from dflash_trainer.pipeline.cores import usable_cpus
 from dflash_trainer.pipeline.messages import StageFailure
 from dflash_trainer.pipeline.runtime import StageError
 
@@ -98,7 +99,7 @@ def cell_layout(
         m = _CUDA.match(d)
         return f"cuda:{int(m.group(1) or 0) + local_rank * cell}" if m else d
 
-    total = cpu_threads or os.cpu_count() or 1
+    total = cpu_threads or usable_cpus()
     threads = max(1, total // max(1, local_world_size))
     return shift(drafter_device), [shift(d) for d in target_devices], threads
 

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from dflash_trainer.config import Config, PipelineConfig, split_of
 from dflash_trainer.errors import UserError
+from dflash_trainer.pipeline.cores import usable_cpus
 from dflash_trainer.pipeline.distributed import DistContext
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ def localize_split(cfg: Config, local_rank: int, local_world_size: int) -> Confi
     out = copy.deepcopy(cfg)
     p = out.pipeline
     dev = rank_device(p, local_rank)
-    total = p.cpu_threads or os.cpu_count() or 1
+    total = p.cpu_threads or usable_cpus()
     p.drafter_device, p.target_devices = dev, [dev]
     p.cpu_threads = max(1, total // max(1, local_world_size))
     return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from dflash_trainer.models.drafter import DFlashConfig, DFlashDrafter
 from dflash_trainer.models.init_target import init_from_target, warm_start
 from dflash_trainer.models.layer_map import Unmappable
 from dflash_trainer.models.target import TargetModel
-from dflash_trainer.pipeline.cores import CoreShare
+from dflash_trainer.pipeline.cores import CoreShare, usable_cpus
 from dflash_trainer.pipeline.feature_cache import FeatureCache
 from dflash_trainer.pipeline.protocols import Target
 from dflash_trainer.precision import use_autocast
@@ -75,7 +74,7 @@ class RunParts:
 
 def thread_split(cfg: Config) -> tuple[int, int]:
     """(target threads per worker, drafter threads) for CPU stages."""
-    total = cfg.pipeline.cpu_threads or os.cpu_count() or 1
+    total = cfg.pipeline.cpu_threads or usable_cpus()
     if cfg.pipeline.schedule == "sequential":
         return total, total
     t = max(1, round(total * cfg.pipeline.target_thread_share))
