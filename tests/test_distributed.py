@@ -306,6 +306,44 @@ def test_the_store_host_waits_until_every_rank_has_the_failure_message():
     assert ranks[2].peer_failure() is None  # its own failure
 
 
+def test_a_rank_keeps_the_failure_even_when_its_acknowledgement_is_the_hosts_last():
+    """The last acknowledgement lets the store host exit at once: the reply to it may never
+    arrive. The rank already holds the message and names the rank that failed, not rank 0."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dflash_trainer.pipeline.distributed import DistContext
+
+    class HostLeavesAfterCounting:
+        def __init__(self, store):
+            self.store = store
+
+        def check(self, keys):
+            return self.store.check(keys)
+
+        def get(self, key):
+            return self.store.get(key)
+
+        def add(self, key, n):
+            value = self.store.add(key, n)
+            if key == "failure_acks" and n:
+                raise RuntimeError("Connection reset by peer")  # counted; the reply is lost
+            return value
+
+    port = _free_port()
+    wait = timedelta(seconds=10)
+    host = dist.TCPStore("127.0.0.1", port, 2, True, wait, wait_for_workers=False)
+    failed = DistContext(1, 2, 1, 2, "gloo", 10.0, store=dist.PrefixStore("dflash/", host))
+    failed.report_failure("InjectedFault: boom")
+    peer = DistContext(
+        0, 2, 0, 2, "gloo", 10.0, store=HostLeavesAfterCounting(dist.PrefixStore("dflash/", host))
+    )
+    assert peer.peer_failure() == "rank 1: InjectedFault: boom"
+    assert dist.PrefixStore("dflash/", host).add("failure_acks", 0) == 2  # both counted
+    assert peer.peer_failure() == "rank 1: InjectedFault: boom"  # remembered
+
+
 # ------------------------------------------------------------------------------ resume
 def test_resume_two_rank_checkpoint_on_one_and_two_ranks(tmp_path, two_rank):
     over = BASE

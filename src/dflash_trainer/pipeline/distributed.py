@@ -30,7 +30,8 @@ a rank whose own collective broke (its peer exited) reports the peer's message i
 Each rank counts itself once under `failure_acks` when it has the message (read or written), and
 rank 0, which hosts the store, waits for that count before it exits (`await_failure_acks`,
 bounded): otherwise a rank that had not read the message yet would find the store gone and
-could only name rank 0.
+could only name rank 0. A rank keeps the message before it counts itself: its count can be the
+last one, and the host may be gone before the reply to it arrives.
 Collectives have `pipeline.collective_timeout_s`, so a hung peer ends the wait; torchrun also
 tears the other ranks down when one exits non-zero. A failed rank leaves with `os._exit(1)` so
 that a thread still inside a collective cannot keep the process alive.
@@ -181,14 +182,21 @@ class DistContext:
             log.warning("could not publish the failure to the other ranks: %s", e)
 
     def _ack_failure(self) -> None:
-        """Count this rank, once, among those that have the failure message."""
-        if not self._hb.get("acked"):
-            self._hb["acked"] = True
+        """Count this rank, once, among those that have the failure message. The count may be
+        the last one the store host waits for: it can exit as soon as the store has counted it,
+        before the reply reaches this rank, so a failed acknowledgement is not an error (the
+        message is in hand either way)."""
+        if self._hb.get("acked"):
+            return
+        self._hb["acked"] = True
+        try:
             self.store.add(_FAILURE_ACKS, 1)
+        except Exception as e:
+            log.debug("failure acknowledgement not confirmed (the store host left): %s", e)
 
     def peer_failure(self) -> str | None:
         """The first failure any rank reported, unless it was this rank's. Once read, it is
-        remembered: the store may be gone by the next call."""
+        remembered (before it is acknowledged): the store may be gone by the next call."""
         seen = self._hb.get("peer_failure")
         if seen is not None:
             return seen
@@ -196,13 +204,12 @@ class DistContext:
             if not self.store.check([_FAILURE_KEY]):
                 return None
             msg = self.store.get(_FAILURE_KEY).decode()
-            self._ack_failure()
         except Exception as e:  # the store lives in rank 0 (or the torchrun agent)
             return f"rank 0 (rendezvous store host): unreachable ({type(e).__name__}: {e})"
-        if msg.startswith(f"rank {self.rank}:"):
-            return None
-        self._hb["peer_failure"] = msg
-        return msg
+        if not msg.startswith(f"rank {self.rank}:"):
+            self._hb["peer_failure"] = msg
+        self._ack_failure()
+        return self._hb.get("peer_failure")
 
     def await_failure_acks(self, timeout_s: float) -> bool:
         """Rank 0 on its way out after a failure: wait (polling, at most `timeout_s`) until
