@@ -65,13 +65,7 @@ def main() -> None:
         "bench": "frozen_head",
         "cpu": cpu_kind(),
         "onednn": available(),
-        "threads": torch.get_num_threads(),
-        "steps": args.steps,
-        "packed_ms": ms["packed"],
-        "default_ms": ms["default"],
-        "speedup": ms["default"] / ms["packed"],
-        "max_loss_rel_diff": worst_loss,
-        "max_grad_rel_diff": worst_grad,
+        **c.record(),
     }
     print(
         f"{cpu_kind()}, float32: drafter step {ms['packed']:.0f} ms with the frozen LM head "

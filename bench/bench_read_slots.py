@@ -60,13 +60,7 @@ def main() -> None:
         "bench": "read_slots",
         "cpu": cpu_kind(),
         "dtype": "bf16 autocast" if bf16 else "float32",
-        "threads": torch.get_num_threads(),
-        "steps": args.steps,
-        "read_ms": ms["read"],
-        "every_ms": ms["every"],
-        "speedup": ms["every"] / ms["read"],
-        "max_loss_rel_diff": worst_loss,
-        "max_grad_rel_diff": worst_grad,
+        **c.record(),
     }
     print(
         f"{cpu_kind()}, {res['dtype']}: drafter step {ms['read']:.0f} ms with the last layer on "

@@ -156,6 +156,20 @@ class StepComparison:
     ms: dict[str, float]  # per way: mean ms per step (forward + backward + AdamW)
     worst_loss: float  # the largest relative loss difference of the first two ways
     worst_grad: float  # and of their gradients (max_rel_diff)
+    steps: int  # measured steps each way
+
+    def record(self) -> dict[str, Any]:
+        """The JSON summary's shared fields: `<way>_ms` per way, speedup = the second way's ms
+        over the first's, the differences, threads and steps."""
+        first, second = list(self.ms)[:2]
+        return {
+            "threads": torch.get_num_threads(),
+            "steps": self.steps,
+            **{f"{w}_ms": v for w, v in self.ms.items()},
+            "speedup": self.ms[second] / self.ms[first],
+            "max_loss_rel_diff": self.worst_loss,
+            "max_grad_rel_diff": self.worst_grad,
+        }
 
 
 def compare_drafter_steps(
@@ -188,7 +202,8 @@ def compare_drafter_steps(
         a, b = names[0], names[1]
         worst_loss = max(worst_loss, abs(loss[a] - loss[b]) / abs(loss[b]))
         worst_grad = max(worst_grad, max_rel_diff(grads[a], grads[b]))
-    return StepComparison({w: 1e3 * s / steps for w, s in secs.items()}, worst_loss, worst_grad)
+    ms = {w: 1e3 * s / steps for w, s in secs.items()}
+    return StepComparison(ms, worst_loss, worst_grad, steps)
 
 
 SCRIPTS = [

@@ -55,7 +55,6 @@ class BenchPlan:
         self.budget_s, self.quick, self.clock = budget_s, quick, clock
         self.t0 = clock()
         self.spent_ref = self.spent = 0.0
-        self.quick_scripts: list[str] = []
 
     @property
     def slowness(self) -> float:
@@ -76,5 +75,3 @@ class BenchPlan:
     def done(self, script: str, mode: str, seconds: float) -> None:
         self.spent += seconds
         self.spent_ref += reference(script)[0 if mode == "full" else 1]
-        if mode == "quick":
-            self.quick_scripts.append(script)
